@@ -1,0 +1,62 @@
+"""The ``specdec`` command line: one sub-command per job, each in its own module
+exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+
+This package is the only place that knows the draft, target and coordinator
+services together; modules are imported lazily so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from specdec import __version__
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("specdec.cli.demo", "start the three services on loopback and stream a completion"),
+    "serve": ("specdec.cli.serve", "run draft, target and coordinator on loopback in one command"),
+    "generate": ("specdec.cli.generate", "generate a completion (in-process with --local, or from a coordinator)"),
+    "draft-service": ("draft_service.server", "run the draft model gRPC service"),
+    "target-service": ("target_service.server", "run the target model gRPC service"),
+    "coordinator": ("coordinator.server", "run the coordinator gRPC service"),
+    "train-models": ("specdec.train_models", "train the bundled target/draft model pair"),
+    "eval-pair": ("specdec.eval_pair", "measure a model pair: latency, held-out loss, acceptance"),
+    "bench-overhead": ("specdec.cli.bench_overhead", "measure the decoder's per-round overhead"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Distributed, lossless speculative decoding."
+    )
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:  # import just the module that will run
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(only=command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:  # bad input: a message, not a traceback
+        print(f"specdec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The in-process decoder: draft and target in this process, the round loop of
+specdec.rounds between them. It is both a library API and the honest baseline the
+distributed system is measured against."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from specdec.gamma import GammaPolicy, StaticGamma
+from specdec.local import LocalProposer, LocalVerifier
+from specdec.model_runner import ModelRunner
+from specdec.rounds import SessionState, run_rounds
+from specdec.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated ids, prompt excluded
+    accepted: list[int]  # accepted drafts per round
+    gammas: list[int]  # drafts proposed per round
+    rounds: int
+    target_forwards: int
+    elapsed_s: float
+    finish_reason: str  # "eos" | "length"
+    text: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(self.gammas)
+        return sum(self.accepted) / proposed if proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per round (accepted drafts + the target's own token)."""
+        return len(self.token_ids) / self.rounds if self.rounds else 0.0
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, context: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens does not fit the model context of {context} "
+            "(at least one position must be left to generate)"
+        )
+
+
+def check_pair(target: ModelRunner, draft: ModelRunner) -> None:
+    """Draft and target must map ids to the same tokens."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: draft has {draft.vocab_size} tokens, target has {target.vocab_size}"
+        )
+    if draft.fingerprint != target.fingerprint:
+        raise ValueError(
+            f"tokenizer mismatch: draft {draft.path} and target {target.path} have different vocabularies "
+            f"(fingerprints {draft.fingerprint} vs {target.fingerprint})"
+        )
+
+
+def _runner(model, device: str, dtype: str) -> ModelRunner:
+    """A path is loaded; anything else is taken to be a ready runner."""
+    if isinstance(model, (str, os.PathLike)):
+        return ModelRunner(model, device, dtype)
+    return model
+
+
+class SpeculativeDecoder:
+    """Speculative decoding with both models in this process.
+
+    >>> dec = SpeculativeDecoder(target="path/to/target", draft="path/to/draft")
+    >>> out = dec.generate(prompt_ids, max_new_tokens=64, gamma=4)
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike | ModelRunner,
+        draft: str | os.PathLike | ModelRunner | None = None,
+        *,
+        device: str = "cpu",
+        draft_device: str | None = None,
+        dtype: str = "float32",
+    ):
+        self.target = _runner(target, device, dtype)
+        self.draft = None
+        if draft is not None:
+            self.draft = _runner(draft, draft_device or device, dtype)
+            check_pair(self.target, self.draft)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        gamma: int | GammaPolicy = 4,
+        draft_top_k: int = 0,
+    ) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` after ``prompt_ids``. ``gamma`` is a
+        fixed count or a policy; 0 (or no draft model) is plain target decoding."""
+        params = (sampling or SamplingParams()).with_seed()
+        policy = StaticGamma(gamma) if isinstance(gamma, int) else gamma
+        if isinstance(gamma, int) and gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if draft_top_k < 0:
+            raise ValueError(f"draft_top_k must be >= 0, got {draft_top_k}")
+        prompt_ids = list(prompt_ids)
+        context = self.target.max_context
+        if self.draft is not None:
+            context = min(context, self.draft.max_context)
+        check_prompt(prompt_ids, self.target.vocab_size, context)
+
+        start = time.perf_counter()
+        state = SessionState(tokens=list(prompt_ids))
+        verifier = LocalVerifier(self.target, self.target.new_sequence())
+        proposer = None
+        if self.draft is not None and not (isinstance(gamma, int) and gamma == 0):
+            proposer = LocalProposer(self.draft, self.draft.new_sequence())
+        rounds = list(run_rounds(
+            proposer, verifier, state,
+            max_new_tokens=max_new_tokens, params=params, gamma_policy=policy,
+            eos_token_ids=self.target.eos_token_ids, context_limit=context, draft_top_k=draft_top_k,
+        ))
+        elapsed = time.perf_counter() - start
+        token_ids = state.tokens[len(prompt_ids):]
+        tok = self.tokenizer
+        return GenerationOutput(
+            token_ids=token_ids,
+            accepted=[r.accepted for r in rounds],
+            gammas=[r.gamma for r in rounds],
+            rounds=len(rounds),
+            target_forwards=len(rounds),
+            elapsed_s=elapsed,
+            finish_reason=rounds[-1].finish_reason or "length",
+            text=tok.decode(token_ids) if tok is not None else None,
+        )

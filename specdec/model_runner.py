@@ -1,0 +1,132 @@
+"""Loading a causal LM from a local directory and running it over a growing,
+rewindable token sequence with a KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+
+import torch
+
+from specdec import kv_cache
+
+# Never reach for a hub: models come from local directories only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One session's view in one model: every token it holds, and the KV cache of
+    a prefix of them. ``tokens[cache_length:]`` are pending (appended but not yet
+    run through the model)."""
+
+    tokens: list[int]
+    cache: object
+
+    @property
+    def cache_length(self) -> int:
+        return kv_cache.cache_length(self.cache)
+
+
+class ModelRunner:
+    """A Hugging Face causal LM on one device, with its tokenizer when it has one."""
+
+    def __init__(self, path: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        self.path = pathlib.Path(path)
+        if not (self.path / "config.json").is_file():
+            raise ValueError(f"{self.path} is not a model directory (no config.json)")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=DTYPES[dtype], local_files_only=True
+        ).to(self.device)
+        self.model.eval()
+        config = self.model.config
+        self.vocab_size: int = config.vocab_size
+        self.max_context: int = getattr(config, "max_position_embeddings", None) or 2048
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos_token_ids: set[int] = _eos_ids(config, self.tokenizer)
+        self.fingerprint: str = vocabulary_fingerprint(self.path, self.vocab_size)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(tokens=[], cache=kv_cache.new_cache(self.model))
+
+    def rollback(self, seq: Sequence, position: int) -> None:
+        """Keep the first ``position`` tokens (and at most that much cache)."""
+        if position > len(seq.tokens):
+            raise ValueError(f"cannot roll back to {position}: only {len(seq.tokens)} tokens held")
+        del seq.tokens[position:]
+        if seq.cache_length > position:
+            kv_cache.crop_cache(seq.cache, position)
+
+    @torch.inference_mode()
+    def logits(self, seq: Sequence, last: int = 1) -> torch.Tensor:
+        """Run the pending tokens; return float32 logits [last, V] predicting the
+        tokens after each of the last ``last`` positions of ``seq.tokens``.
+
+        If fewer than ``last`` tokens are pending, the cache is rewound so that they
+        are recomputed (e.g. the same sequence asked twice)."""
+        if not seq.tokens:
+            raise ValueError("cannot run an empty sequence")
+        if len(seq.tokens) > self.max_context:
+            raise ValueError(
+                f"sequence of {len(seq.tokens)} tokens exceeds the model context of {self.max_context}"
+            )
+        start = min(seq.cache_length, len(seq.tokens) - last)
+        if start < seq.cache_length:
+            kv_cache.crop_cache(seq.cache, start)
+        ids = torch.tensor([seq.tokens[start:]], dtype=torch.long, device=self.device)
+        return kv_cache.forward(self.model, ids, seq.cache, logits_to_keep=last).float()
+
+    def check_tokens(self, tokens: list[int], what: str = "token") -> None:
+        """ValueError unless every id is inside this model's vocabulary."""
+        bad = [t for t in tokens if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"{what} id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+
+def load_tokenizer(path: pathlib.Path):
+    """The model directory's tokenizer, or None when it ships none."""
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def vocabulary_fingerprint(path: pathlib.Path, vocab_size: int) -> str:
+    """Identifies the token <-> id mapping, so draft and target can be checked to
+    speak the same vocabulary: a hash of tokenizer.json's vocabulary when present,
+    else of the vocabulary size alone."""
+    h = hashlib.sha256(f"vocab_size={vocab_size}".encode())
+    tok = path / "tokenizer.json"
+    if tok.is_file():
+        model = json.loads(tok.read_text(encoding="utf-8")).get("model", {})
+        h.update(json.dumps(model.get("vocab"), sort_keys=True).encode())
+        h.update(json.dumps(model.get("merges")).encode())
+    return h.hexdigest()[:16]
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}

@@ -1,0 +1,157 @@
+"""Logits processing and sampling, shared by draft and target.
+
+Losslessness rests on two facts this module guarantees:
+
+* the draft's q and the target's p go through the *same* processing
+  (temperature -> top-k -> top-p -> softmax, all in float32), and
+* the draft samples from exactly the q it reports (including any truncation to a
+  compact support, see :func:`truncate_top_k`).
+
+Randomness is counter-based: the uniform used at sequence position ``i`` for a
+given purpose ("stream") is a hash of ``(seed, i, stream)``. A session therefore
+needs no generator state: a retried round, a service restarted after eviction, or
+the in-process and distributed decoders all draw the same numbers for the same
+positions. Different positions and streams get independent uniforms, which is all
+the rejection-sampling proof needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import torch
+
+# Random streams: one per purpose, so that no uniform is ever used twice.
+STREAM_DRAFT = 1  # the draft's sample at a position
+STREAM_ACCEPT = 2  # the target's accept/reject draw for a draft at a position
+STREAM_TARGET = 3  # the target's correction or bonus sample at a position
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
+
+    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` makes
+    sampling reproducible; ``None`` lets the decoder pick one per request.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_sampling(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> "SamplingParams":
+        """This, with a fresh random seed filled in if none was given."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=random.getrandbits(63))
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise ValueError naming the bad field (used by the dataclass and by servers)."""
+    t, k, p = params.temperature, params.top_k, params.top_p
+    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {k!r}")
+    if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
+        raise ValueError(f"seed must be a non-negative integer, got {params.seed!r}")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits ``[..., V]`` -> probabilities ``[..., V]`` (float32) after temperature,
+    top-k and top-p. Rows are processed independently. Not for greedy decoding."""
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    return probs
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``
+    (the nucleus), renormalised. The most likely token is always kept.
+
+    A full sort of the vocabulary is slow on CPU (~0.6 ms at 4096), and nuclei are
+    usually small: look at the top-k for growing k until every row's nucleus ends
+    inside it."""
+    vocab = probs.shape[-1]
+    k = min(64, vocab)
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)  # sorted, most likely first
+        keep = (torch.cumsum(top, dim=-1) - top) < top_p
+        if k == vocab or not bool(keep[..., -1].any()):
+            break
+        k = min(k * 4, vocab)
+    kept = torch.zeros_like(probs).scatter_(-1, order, top * keep)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDist:
+    """A distribution over a truncated support: ``probs[j]`` for token ``ids[j]``,
+    zero elsewhere."""
+
+    ids: torch.Tensor  # int64 [k]
+    probs: torch.Tensor  # float32 [k]
+
+
+def truncate_top_k(probs: torch.Tensor, k: int) -> SparseDist:
+    """The draft's compact proposal distribution: the ``k`` most likely tokens of
+    one row of ``probs``, renormalised. The draft *samples from this*, so using it
+    as q in the acceptance test stays exact, and only ``k`` (id, prob) pairs need
+    to cross the network."""
+    top = torch.topk(probs, min(k, probs.shape[-1]))
+    return SparseDist(ids=top.indices, probs=top.values / top.values.sum())
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """A uniform draw in [0, 1) that is a pure function of (seed, position, stream)."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (position & _MASK64))
+    h = _splitmix64(h ^ stream)
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample from one row of (possibly unnormalised) probabilities.
+
+    With u in [0, 1) the chosen index i is the first with cdf[i] > u * total, so an
+    index of probability 0 can never be chosen (its cdf equals its predecessor's).
+    The cumulative sum is float64 so a 128k vocabulary loses no mass to rounding.
+    """
+    if probs.device.type == "cpu":  # numpy: a few µs instead of tens for torch's small ops
+        cdf = np.cumsum(probs.numpy(), dtype=np.float64)
+        index = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    else:
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        threshold = torch.tensor([u], dtype=torch.float64, device=cdf.device) * cdf[-1]
+        index = int(torch.searchsorted(cdf, threshold, right=True))
+    if index >= probs.shape[-1]:  # u * total rounded up to total: take the last non-zero
+        index = int(torch.nonzero(probs > 0)[-1])
+    return index

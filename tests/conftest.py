@@ -1,0 +1,27 @@
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from tiny_models import make_noisy_copy, make_tiny_llama  # noqa: E402
+
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+
+# Tiny models are slower with threads than without, and CI has 2 cores shared with
+# the service processes the e2e tests start.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target, close draft, far draft) directories: vocab 32, sharp distributions."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_llama(root / "target", layers=2, seed=1, logit_scale=20)
+    close = make_noisy_copy(target, root / "close", noise=0.02, seed=2)
+    far = make_tiny_llama(root / "far", layers=1, seed=7, logit_scale=20)
+    return target, close, far

@@ -1,0 +1,104 @@
+import math
+
+import pytest
+import torch
+
+from specdec.sampling import (
+    SamplingParams,
+    process_logits,
+    sample,
+    truncate_top_k,
+    uniform,
+)
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    probs = process_logits(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(probs, torch.softmax(logits / 0.5, -1))
+    assert probs.dtype == torch.float32
+
+
+def test_top_k_keeps_k_most_likely():
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0, 2.5])
+    probs = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [False, True, False, False, True]
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = process_logits(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.8))
+    # 0.5 alone < 0.8, 0.5 + 0.3 reaches 0.8: two tokens kept.
+    assert (probs > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(probs[:2], torch.tensor([0.5, 0.3]) / 0.8)
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    probs = process_logits(torch.tensor([5.0, 0.0, 0.0]), SamplingParams(temperature=1.0, top_p=0.01))
+    assert probs.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p_combined():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    probs = process_logits(logits, SamplingParams(temperature=0.7, top_k=3, top_p=0.9))
+    ref = torch.softmax(logits[:3] / 0.7, -1)
+    keep = (torch.cumsum(ref, -1) - ref) < 0.9
+    expected = torch.zeros(5)
+    expected[:3] = torch.where(keep, ref, 0.0)
+    assert torch.allclose(probs, expected / expected.sum())
+
+
+def test_rows_processed_independently():
+    logits = torch.randn(3, 10)
+    params = SamplingParams(temperature=0.9, top_k=4, top_p=0.8)
+    batch = process_logits(logits, params)
+    for i in range(3):
+        assert torch.allclose(batch[i], process_logits(logits[i], params))
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": -3}, "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_sample_never_picks_zero_probability():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    for u in [0.0, 0.2499, 0.25, 0.9999, 1.0 - 2**-53]:
+        assert probs[sample(probs, u)] > 0
+
+
+def test_sample_is_inverse_cdf():
+    probs = torch.tensor([0.2, 0.3, 0.5])
+    assert sample(probs, 0.0) == 0
+    assert sample(probs, 0.19) == 0
+    assert sample(probs, 0.21) == 1
+    assert sample(probs, 0.51) == 2
+
+
+def test_uniform_is_deterministic_and_uniform():
+    draws = [uniform(42, pos, 1) for pos in range(20000)]
+    assert draws[:5] == [uniform(42, pos, 1) for pos in range(5)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    counts = torch.histc(torch.tensor(draws), bins=10, min=0, max=1)
+    assert counts.min() > 1800 and counts.max() < 2200
+    # Streams and seeds are independent of one another.
+    assert uniform(42, 7, 1) != uniform(42, 7, 2) != uniform(43, 7, 1)
+
+
+def test_truncate_top_k_is_renormalised_support():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    sparse = truncate_top_k(probs, 2)
+    assert sparse.ids.tolist() == [1, 3]
+    assert torch.allclose(sparse.probs, torch.tensor([0.4, 0.3]) / 0.7)
