@@ -1,19 +1,29 @@
 """Choosing γ, the number of tokens drafted per round.
 
-A policy is asked for γ before each round and told the outcome after it. The
-round loop clamps its answer to what is left to generate.
+A policy is asked for γ before each round and shown the round's outcome after
+it (a :class:`specdec.rounds.RoundResult`); the round loop clamps its answer to
+what is left to generate. Three policies:
+
+* ``static:N`` — the same γ every round;
+* ``heuristic`` — Hugging Face assisted generation's schedule (+2 after a round
+  whose drafts were all accepted, −1 otherwise);
+* ``adaptive`` — the γ maximising expected tokens per second under running
+  estimates of acceptance and of what each round costs (DESIGN §4).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from specdec.rounds import RoundResult
 
 
 class GammaPolicy(Protocol):
     def choose(self) -> int: ...
 
-    def observe(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None: ...
+    def observe(self, result: "RoundResult") -> None: ...
 
 
 @dataclasses.dataclass
@@ -25,7 +35,7 @@ class StaticGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def observe(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, result: "RoundResult") -> None:
         pass
 
 
@@ -40,10 +50,195 @@ class HeuristicGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def observe(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        if gamma == 0:
+    def observe(self, result: "RoundResult") -> None:
+        if result.gamma == 0:
             return
-        if accepted == gamma:
+        if result.accepted == result.gamma:
             self.gamma = min(self.gamma + 2, self.gamma_max)
         else:
             self.gamma = max(self.gamma - 1, 1)
+
+
+# ----------------------------------------------------------------- the cost model
+
+
+def expected_tokens(alphas: list[float], gamma: int) -> float:
+    """Expected tokens emitted by a round drafting ``gamma`` tokens, where
+    ``alphas[i]`` is the chance that draft i+1 is accepted given all before it
+    were: 1 (the target's own token) + Σ_k Π_{i<=k} α_i. With a constant α this
+    is the familiar (1 − α^(γ+1)) / (1 − α)."""
+    total, survive = 1.0, 1.0
+    for i in range(gamma):
+        survive *= alphas[min(i, len(alphas) - 1)]
+        total += survive
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundCost:
+    """Seconds a round takes as a function of γ:
+    [γ > 0]·(draft_fixed + draft_per_token·γ) + verify_fixed + verify_per_token·γ.
+
+    The fixed parts hold the round trips to each service (and per-call
+    overheads); the per-token parts hold compute plus bytes / bandwidth."""
+
+    draft_fixed: float
+    draft_per_token: float
+    verify_fixed: float
+    verify_per_token: float
+
+    def seconds(self, gamma: int) -> float:
+        draft = self.draft_fixed + self.draft_per_token * gamma if gamma else 0.0
+        return draft + self.verify_fixed + self.verify_per_token * gamma
+
+
+def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int) -> int:
+    """The γ in [0, gamma_max] maximising expected tokens per second."""
+    return max(range(gamma_max + 1), key=lambda g: expected_tokens(alphas, g) / cost.seconds(g))
+
+
+# ----------------------------------------------------------------- estimators
+
+
+@dataclasses.dataclass
+class _DecayingLine:
+    """Least-squares fit y ≈ a + b·x over observations weighted by decay^age."""
+
+    decay: float
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    def fit(self, default_slope: float) -> tuple[float, float]:
+        """(intercept, slope); ``default_slope`` while x has not varied enough."""
+        if self.w == 0:
+            return 0.0, default_slope
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        var_x = self.xx / self.w - mean_x**2
+        slope = default_slope
+        if var_x > 0.05:
+            slope = max(0.0, (self.xy / self.w - mean_x * mean_y) / var_x)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+
+@dataclasses.dataclass
+class AdaptiveGamma:
+    """Chooses γ each round to maximise E(γ) / round_time(γ) (DESIGN §4).
+
+    Estimates, all from timings the round loop measures anyway:
+
+    * α per draft position (decayed counts, shrunk towards the pooled α where a
+      position has been tried rarely);
+    * draft time: per token from the gaps between streamed drafts, the rest
+      (round trip, pre-fill of new tokens) as the fixed part;
+    * verify time as a linear function of γ (decayed least squares; the fixed
+      part holds the round trip to the target).
+
+    γ = 0 (plain target decoding) is chosen when speculation does not pay; one
+    round in ``probe_every`` then still drafts a token, so that a change in
+    acceptance or cost is noticed.
+    """
+
+    gamma_max: int = 8
+    initial_gamma: int = 4
+    decay: float = 0.97
+    prior_alpha: float = 0.6
+    prior_weight: float = 2.0
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        self._tried = [0.0] * self.gamma_max
+        self._accepted = [0.0] * self.gamma_max
+        self._verify = _DecayingLine(self.decay)
+        self._draft_fixed: float | None = None
+        self._draft_per_token: float | None = None
+        self._rounds = 0
+
+    # -- estimates ------------------------------------------------------------
+
+    def alphas(self) -> list[float]:
+        pooled_tried, pooled_acc = sum(self._tried), sum(self._accepted)
+        pooled = (pooled_acc + self.prior_weight * self.prior_alpha) / (pooled_tried + self.prior_weight)
+        return [
+            (a + self.prior_weight * pooled) / (t + self.prior_weight)
+            for a, t in zip(self._accepted, self._tried)
+        ]
+
+    def cost(self) -> RoundCost | None:
+        if self._draft_per_token is None or self._verify.w == 0:
+            return None
+        verify_fixed, verify_per_token = self._verify.fit(default_slope=0.0)
+        return RoundCost(self._draft_fixed, self._draft_per_token, verify_fixed, verify_per_token)
+
+    # -- policy ---------------------------------------------------------------
+
+    def best(self) -> int:
+        """The γ the current estimates favour."""
+        cost = self.cost()
+        if cost is None:  # nothing measured yet
+            return self.initial_gamma
+        return best_gamma(self.alphas(), cost, self.gamma_max)
+
+    def choose(self) -> int:
+        gamma = self.best()
+        if gamma == 0 and self._rounds % self.probe_every == 0 and self.gamma_max > 0:
+            gamma = 1  # probe: is drafting worth it again?
+        return gamma
+
+    def observe(self, result: "RoundResult") -> None:
+        self._rounds += 1
+        g, n = result.gamma, result.accepted
+        d = self.decay
+        for i in range(self.gamma_max):
+            self._tried[i] *= d
+            self._accepted[i] *= d
+        # Drafts 1..n were accepted; draft n+1 (if any) was tried and rejected.
+        for i in range(min(g, n + 1, self.gamma_max)):
+            self._tried[i] += 1
+            if i < n:
+                self._accepted[i] += 1
+        self._verify.add(g, result.verify_s)
+        if g:
+            per_token = self._draft_per_token
+            if g >= 2 and result.draft_first_s is not None:
+                per_token = (result.draft_s - result.draft_first_s) / (g - 1)
+            elif per_token is None:
+                per_token = result.draft_s / g
+            fixed = max(0.0, result.draft_s - per_token * g)
+            self._draft_per_token = _ema(self._draft_per_token, per_token, d)
+            self._draft_fixed = _ema(self._draft_fixed, fixed, d)
+
+
+def _ema(old: float | None, new: float, decay: float) -> float:
+    return new if old is None else decay * old + (1 - decay) * new
+
+
+# ----------------------------------------------------------------- parsing
+
+
+def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
+    """``static:N`` | ``heuristic`` | ``adaptive`` -> a fresh policy; ValueError
+    naming the problem otherwise."""
+    text = spec.strip().lower()
+    if text.startswith("static:"):
+        try:
+            gamma = int(text[len("static:"):])
+        except ValueError:
+            raise ValueError(f"gamma_policy {spec!r}: static:N needs an integer N") from None
+        if not 0 <= gamma <= gamma_max:
+            raise ValueError(f"gamma_policy {spec!r}: gamma must be in [0, {gamma_max}], got {gamma}")
+        return StaticGamma(gamma)
+    if text == "heuristic":
+        return HeuristicGamma(gamma=min(HeuristicGamma.gamma, max(gamma_max, 1)), gamma_max=max(gamma_max, 1))
+    if text == "adaptive":
+        return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max))
+    raise ValueError(
+        f"gamma_policy {spec!r} is not understood: use 'static:N' (0 <= N <= {gamma_max}), 'heuristic' or 'adaptive'"
+    )

@@ -67,9 +67,10 @@ class RoundResult:
     tokens: list[int]  # committed this round (accepted drafts + next token, maybe cut short)
     gamma: int
     accepted: int
-    draft_s: float
+    draft_s: float  # from asking for drafts to holding all of them
     verify_s: float
     finish_reason: str | None  # "eos" | "length" | None while generating
+    draft_first_s: float | None = None  # until the first draft arrived (the rest is per-token drafting)
 
 
 def dense_rows(qs: list[Distribution], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -109,10 +110,12 @@ def run_rounds(
 
         t0 = time.perf_counter()
         drafts: list[DraftToken] = []
+        first = None
         if gamma:
-            drafts = list(proposer.propose(
-                state.draft_synced, state.tokens[state.draft_synced:], gamma, params, draft_top_k
-            ))
+            stream = proposer.propose(state.draft_synced, state.tokens[state.draft_synced:], gamma, params, draft_top_k)
+            for draft in stream:
+                drafts.append(draft)
+                first = first or time.perf_counter() - t0
         t1 = time.perf_counter()
         verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params)
         t2 = time.perf_counter()
@@ -125,8 +128,9 @@ def run_rounds(
         if gamma:
             state.draft_synced = min(base + verdict.accepted, len(state.tokens))
         state.target_synced = len(state.tokens)
-        gamma_policy.observe(gamma, verdict.accepted, t1 - t0, t2 - t1)
-        yield RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish)
+        result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first)
+        gamma_policy.observe(result)
+        yield result
         if finish:
             return
 

@@ -1,0 +1,97 @@
+"""γ policies: the cost model, the adaptive controller against brute force on
+synthetic worlds, and the heuristic schedule."""
+
+import random
+
+import pytest
+
+from specdec.gamma import (
+    AdaptiveGamma,
+    HeuristicGamma,
+    RoundCost,
+    StaticGamma,
+    best_gamma,
+    expected_tokens,
+    parse_gamma_policy,
+)
+from specdec.rounds import RoundResult
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95])
+@pytest.mark.parametrize("gamma", [0, 1, 4, 8])
+def test_expected_tokens_closed_form(alpha, gamma):
+    closed = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    assert expected_tokens([alpha] * 8, gamma) == pytest.approx(closed)
+
+
+def brute_force(alphas, cost, gamma_max):
+    rates = {g: expected_tokens(alphas, g) / cost.seconds(g) for g in range(gamma_max + 1)}
+    return max(rates, key=rates.get), rates
+
+
+def simulate(policy, alphas, cost, rounds, rng, noise=0.05):
+    """Feed ``policy`` rounds from a synthetic world; return the γ it now favours."""
+    for _ in range(rounds):
+        g = policy.choose()
+        n = 0
+        while n < g and rng.random() < alphas[n]:
+            n += 1
+        jitter = lambda x: x * (1 + rng.uniform(-noise, noise))
+        draft_s = jitter(cost.draft_fixed + cost.draft_per_token * g) if g else 0.0
+        first = jitter(cost.draft_fixed + cost.draft_per_token) if g else None
+        verify_s = jitter(cost.verify_fixed + cost.verify_per_token * g)
+        policy.observe(RoundResult([0] * (n + 1), g, n, draft_s, verify_s, None, first))
+    return policy.best()
+
+
+WORLDS = {
+    # name: (α per position, cost)
+    "good draft, fast network": ([0.9] * 8, RoundCost(0.0005, 0.001, 0.006, 0.0003)),
+    "good draft, 30 ms RTT": ([0.9] * 8, RoundCost(0.030, 0.001, 0.036, 0.0003)),
+    "mediocre draft": ([0.6] * 8, RoundCost(0.0005, 0.001, 0.006, 0.0003)),
+    "useless draft": ([0.05] * 8, RoundCost(0.002, 0.003, 0.006, 0.001)),
+    "expensive draft": ([0.7] * 8, RoundCost(0.001, 0.004, 0.006, 0.0005)),
+    "acceptance falls with depth": ([0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1], RoundCost(0.002, 0.001, 0.008, 0.0004)),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_adaptive_choice_matches_brute_force(world):
+    alphas, cost = WORLDS[world]
+    best, rates = brute_force(alphas, cost, 8)
+    chosen = simulate(AdaptiveGamma(gamma_max=8), alphas, cost, 400, random.Random(world))
+    # Equal to the brute-force optimum, or as good to within 2% (flat optima).
+    assert chosen == best or rates[chosen] >= 0.98 * rates[best], (chosen, best, rates)
+
+
+def test_adaptive_follows_a_change_in_acceptance():
+    policy = AdaptiveGamma(gamma_max=8)
+    cost = RoundCost(0.0005, 0.001, 0.006, 0.0003)
+    rng = random.Random(0)
+    assert simulate(policy, [0.9] * 8, cost, 300, rng) >= 4
+    assert simulate(policy, [0.02] * 8, cost, 300, rng) == 0
+    # Probing rounds notice when the draft becomes good again.
+    assert simulate(policy, [0.9] * 8, cost, 600, rng) >= 4
+
+
+def test_heuristic_schedule():
+    h = HeuristicGamma(gamma=5, gamma_max=9)
+    h.observe(RoundResult([1] * 6, 5, 5, 0.0, 0.0, None))
+    assert h.choose() == 7
+    h.observe(RoundResult([1] * 3, 7, 2, 0.0, 0.0, None))
+    assert h.choose() == 6
+    for _ in range(10):
+        h.observe(RoundResult([1], 6, 0, 0.0, 0.0, None))
+    assert h.choose() == 1
+    for _ in range(10):
+        h.observe(RoundResult([1] * 2, 1, 1, 0.0, 0.0, None))
+    assert h.choose() == 9
+
+
+def test_parse_policies():
+    assert parse_gamma_policy("static:3", 8) == StaticGamma(3)
+    assert isinstance(parse_gamma_policy("heuristic", 8), HeuristicGamma)
+    assert isinstance(parse_gamma_policy("Adaptive", 8), AdaptiveGamma)
+    for bad, word in [("static:x", "integer"), ("static:9", r"\[0, 8\]"), ("fastest", "not understood")]:
+        with pytest.raises(ValueError, match=word):
+            parse_gamma_policy(bad, 8)
