@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("coordinator.server", "run the coordinator gRPC service"),
     "train-models": ("specdec.train_models", "train the bundled target/draft model pair"),
     "eval-pair": ("specdec.eval_pair", "measure a model pair: latency, held-out loss, acceptance"),
+    "netem": ("specdec.netem", "TCP proxy adding latency and a bandwidth cap (network emulation)"),
     "bench-overhead": ("specdec.cli.bench_overhead", "measure the decoder's per-round overhead"),
 }
 
