@@ -1,0 +1,1 @@
+"""The draft model's gRPC service: proposes γ tokens per round, streamed."""

@@ -1,0 +1,23 @@
+"""``specdec draft-service``: serve the draft model over gRPC (default port 50052).
+
+Every flag falls back to an environment variable (``SPECDEC_DRAFT_PORT``,
+``SPECDEC_MAX_SESSIONS`` ...; see ``--help``), then to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.model_service import add_service_arguments, run_service
+
+ROLE = "draft"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_service_arguments(parser, ROLE)
+
+
+def run(args: argparse.Namespace) -> int:
+    from draft_service.servicer import add_to_server
+
+    return run_service(args, ROLE, add_to_server)

@@ -1,0 +1,180 @@
+"""Typed errors and the one place they become gRPC status codes.
+
+Service code raises plain Python exceptions that say what went wrong
+(``SessionNotFound("session 'abc' is not held ...")``); :class:`ErrorInterceptor`
+turns them into a status code plus that message on the wire. Nothing in a
+servicer calls ``context.abort`` by hand, so every service answers the same way:
+
+==========================  =====================
+exception                   status
+==========================  =====================
+InvalidRequest, ValueError  INVALID_ARGUMENT
+SessionNotFound             NOT_FOUND
+PositionMismatch            FAILED_PRECONDITION
+FailedPrecondition          FAILED_PRECONDITION
+ResourceExhausted           RESOURCE_EXHAUSTED
+Draining, Unavailable       UNAVAILABLE
+TimeoutError                DEADLINE_EXCEEDED
+grpc.aio.AioRpcError        its own code (a downstream call failed)
+anything else               INTERNAL (logged with its traceback)
+==========================  =====================
+
+On the client side :func:`from_rpc_error` maps a status back to these types, so
+the coordinator can write ``except SessionNotFound:`` around a service call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class SpecdecError(Exception):
+    """Base of the errors that carry their own gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(SpecdecError, ValueError):
+    """The request itself is wrong (a field out of range, ids outside the vocab ...)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionNotFound(SpecdecError):
+    """The service holds no such session (never started, ended, evicted or expired).
+    The caller re-pre-fills it from its own token history with position 0."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(SpecdecError):
+    """The request is well-formed but the system is not in a state to run it
+    (e.g. draft and target speak different vocabularies)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PositionMismatch(FailedPrecondition):
+    """The caller believes the service holds more of the session than it does."""
+
+    def __init__(self, session_id: str, position: int, held: int):
+        self.session_id, self.position, self.held = session_id, position, held
+        super().__init__(
+            f"session {session_id!r}: request is at position {position} but the service "
+            f"holds only {held} tokens"
+        )
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecdecError):
+    """Try again later or elsewhere (e.g. the model is still loading)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Draining(Unavailable):
+    """The server is shutting down and takes no new work."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: SessionNotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message an exception is answered with."""
+    if isinstance(exc, SpecdecError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
+    """Client side: the typed error for a failed call (the caller re-raises it).
+    ``PositionMismatch`` comes back as its base ``FailedPrecondition``."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, SpecdecError)
+    out = cls(details or code.name)
+    if cls is SpecdecError:
+        out.code = code
+    return out
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Answers every exception escaping a handler with the status from
+    :func:`status_for`. Wraps unary and server-streaming handlers (the only kinds
+    specdec serves); other kinds pass through untouched."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed: %s", method, message, exc_info=exc)
+    else:
+        log.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def _wrap_unary(behavior, method: str):
+    async def unary(request, context):
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:  # the handler aborted on purpose
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return unary
+
+
+def _wrap_stream(behavior, method: str):
+    if not inspect.isasyncgenfunction(behavior):  # a coroutine using context.write()
+        return _wrap_unary(behavior, method)
+
+    async def stream(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return stream

@@ -1,0 +1,353 @@
+"""What the draft and target services share: one model behind a single-worker
+executor, the session store, request validation, timings, ModelInfo/EndSession,
+command-line flags and the process entry point.
+
+The servicers in ``draft_service/`` and ``target_service/`` only say what their
+RPC does (decode -> :func:`specdec.local.draft_tokens` / ``verify_drafts`` ->
+encode); everything else is here, written once.
+
+Why a single-worker executor: forward passes are long, blocking calls. Running
+them on the event loop would freeze health checks and every other session; a
+pool of several workers would run two passes on one device at once for no gain.
+One worker per model serialises the device and leaves the loop free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import pathlib
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from specdec import proto_convert as pc
+from specdec.config import ServiceConfig, env_names
+from specdec.errors import Draining, InvalidRequest, Unavailable
+from specdec.model_runner import ModelRunner, Sequence
+from specdec.proto import specdec_pb2 as pb
+from specdec.sampling import SamplingParams, SparseDist
+from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
+from specdec.sessions import SessionStore
+from specdec.timing import ServerTiming
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = {"draft": DRAFT_SERVICE, "target": TARGET_SERVICE}
+
+
+class ModelHost:
+    """One model on one device, serving many sessions."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role}-model")
+        self.runner: ModelRunner | None = None
+        self.sessions: SessionStore[Sequence] | None = None
+        self.draining = False
+        self._sweeper: asyncio.Future | None = None
+        self._computed_tokens = 0  # tokens through the model; touched on the worker thread only
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def load(self, runner: ModelRunner | None = None) -> None:
+        """Load the model on the executor (the event loop keeps answering health
+        checks meanwhile), then open the session store."""
+        if runner is None:
+            cfg = self.config
+            runner = await asyncio.get_running_loop().run_in_executor(
+                self.executor, ModelRunner, cfg.model_path(), cfg.device, cfg.dtype
+            )
+        runner.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        self.sessions = SessionStore(
+            runner.new_sequence,
+            max_sessions=self.config.max_sessions,
+            max_cached_tokens=self.config.max_cached_tokens,
+            ttl_s=self.config.session_ttl_s,
+        )
+        self.runner = runner
+        self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        """Expire idle sessions even when no call arrives to trigger it."""
+        period = max(0.5, min(self.config.session_ttl_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            self.sessions.sweep()
+
+    def _count_tokens(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self._computed_tokens += int(ids.shape[-1])
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None
+
+    def require_ready(self) -> ModelRunner:
+        if self.draining:
+            raise Draining(f"the {self.config.role} service is shutting down")
+        if self.runner is None:
+            raise Unavailable(f"the {self.config.role} service is still loading its model")
+        return self.runner
+
+    # ------------------------------------------------------------------ running model work
+
+    async def run(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the model's executor and add to ``timing`` how long
+        it queued, how long it computed (copies timed by :meth:`to_device` /
+        :meth:`to_host` excluded) and how many tokens went through the model."""
+        submitted = time.perf_counter()
+
+        def job():
+            start = time.perf_counter()
+            copy_before, tokens_before = timing.copy_s, self._computed_tokens
+            try:
+                return fn(*args)
+            finally:
+                self._synchronize()
+                elapsed = time.perf_counter() - start
+                timing.queue_s += start - submitted
+                timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
+                timing.computed_tokens += self._computed_tokens - tokens_before
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+
+    def _synchronize(self) -> None:
+        device = self.runner.device if self.runner is not None else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _copy(self, q, device: torch.device, timing: ServerTiming):
+        if q is None or _device_of(q) == device:
+            return q
+        self._synchronize()  # do not bill pending compute to the copy
+        start = time.perf_counter()
+        if isinstance(q, SparseDist):
+            out = SparseDist(ids=q.ids.to(device), probs=q.probs.to(device))
+        else:
+            out = q.to(device)
+        self._synchronize()
+        timing.copy_s += time.perf_counter() - start
+        return out
+
+    def to_device(self, q, timing: ServerTiming):
+        """A distribution moved host -> model device, timed as copy (worker thread)."""
+        return self._copy(q, self.runner.device, timing)
+
+    def to_host(self, q, timing: ServerTiming):
+        """A distribution moved model device -> host, timed as copy (worker thread)."""
+        return self._copy(q, torch.device("cpu"), timing)
+
+    # ------------------------------------------------------------------ validation
+
+    def check_round(
+        self,
+        session_id: str,
+        position: int,
+        new_tokens: Iterable[int],
+        sampling: pb.SamplingParams,
+        *,
+        gamma: int,
+        gamma_field: str = "gamma",
+    ) -> SamplingParams:
+        """Validate what every round request carries; return its sampling params.
+
+        ``gamma`` is how many tokens the call adds after ``new_tokens`` (drafted
+        here, or drafts to verify)."""
+        runner = self.require_ready()
+        if not session_id:
+            raise InvalidRequest("session_id is empty")
+        if not 0 <= gamma <= self.config.gamma_max:
+            raise InvalidRequest(f"{gamma_field} {gamma} is out of range [0, {self.config.gamma_max}]")
+        new_tokens = list(new_tokens)
+        self.check_vocab(new_tokens, "new_tokens")
+        total = position + len(new_tokens) + gamma
+        if total > runner.max_context:
+            raise InvalidRequest(
+                f"sequence of {total} tokens (position {position} + {len(new_tokens)} new_tokens + "
+                f"{gamma} {gamma_field}) exceeds the model context of {runner.max_context}"
+            )
+        if position + len(new_tokens) == 0:
+            raise InvalidRequest("nothing to run: position is 0 and new_tokens is empty (empty prompt?)")
+        params = pc.sampling_from_proto(sampling)
+        if not params.greedy and params.seed is None:
+            raise InvalidRequest("sampling.seed is required when temperature > 0 (both services derive "
+                                 "their random draws from it)")
+        return params
+
+    def check_vocab(self, tokens: list[int], what: str) -> None:
+        vocab = self.runner.vocab_size
+        for t in tokens:
+            if not 0 <= t < vocab:
+                raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
+
+    def session(self, session_id: str, position: int, reserve: int):
+        """The session store's context manager (see :meth:`SessionStore.open`)."""
+        return self.sessions.open(session_id, position, reserve=reserve)
+
+    # ------------------------------------------------------------------ shared RPCs
+
+    def model_info(self) -> pb.ModelInfo:
+        runner = self.require_ready()
+        stats = self.sessions.stats()
+        return pb.ModelInfo(
+            model_name=runner.name,
+            vocab_size=runner.vocab_size,
+            vocab_fingerprint=runner.fingerprint,
+            max_context=runner.max_context,
+            eos_token_ids=sorted(runner.eos_token_ids),
+            device=str(runner.device),
+            active_sessions=stats.active_sessions,
+            cached_tokens=stats.cached_tokens,
+        )
+
+    def end_session(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:
+        self.require_ready()
+        if not request.session_id:
+            raise InvalidRequest("session_id is empty")
+        return pb.EndSessionResponse(existed=self.sessions.end(request.session_id))
+
+
+def _device_of(q):
+    if q is None:
+        return None
+    return q.probs.device if isinstance(q, SparseDist) else q.device
+
+
+def sampling_key(sampling: pb.SamplingParams) -> bytes:
+    """Sampling params as bytes, for a round's request key (see Session.replay)."""
+    return sampling.SerializeToString(deterministic=True)
+
+
+# ====================================================================== process entry
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """The flags of ``specdec draft-service`` / ``specdec target-service``. Each
+    defaults to its environment variable, then to :class:`ServiceConfig`'s default."""
+    defaults = ServiceConfig(role=role)
+
+    def env(field: str) -> str:
+        return " or ".join(env_names(ServiceConfig, field, (f"SPECDEC_{role.upper()}_", "SPECDEC_")))
+
+    def add(flag: str, field: str, help: str, **kw):
+        parser.add_argument(flag, dest=field, default=None,
+                            help=f"{help} [env {env(field)}; default {getattr(defaults, field)}]", **kw)
+
+    add("--model", "model", f"{role} model directory (default: the bundled {role} model)", metavar="DIR")
+    add("--device", "device", "torch device, e.g. cpu, cuda:0")
+    add("--dtype", "dtype", "model dtype", choices=["float32", "bfloat16", "float16"])
+    add("--host", "host", "address to listen on")
+    add("--port", "port", "port to listen on (0: any free port)", type=int)
+    add("--max-sessions", "max_sessions", "sessions held before LRU eviction", type=int)
+    add("--max-cached-tokens", "max_cached_tokens", "tokens held over all sessions before LRU eviction", type=int)
+    add("--session-ttl", "session_ttl_s", "seconds an idle session is kept", type=float, metavar="SECONDS")
+    add("--gamma-max", "gamma_max", "largest gamma / number of drafts accepted per call", type=int)
+    add("--max-message-bytes", "max_message_bytes", "gRPC message size limit", type=int)
+    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight calls may take to finish",
+        type=float, metavar="SECONDS")
+    add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def config_from_args(args: argparse.Namespace, role: str) -> ServiceConfig:
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServiceConfig) if f.name != "role"}
+    return ServiceConfig.load(role, overrides)
+
+
+@dataclasses.dataclass
+class RunningService:
+    """A started model service (for ``run`` below, ``specdec serve`` and tests)."""
+
+    server: GrpcServer
+    host: ModelHost
+    port: int
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        self.host.draining = True
+        if grace_s is None:
+            await self.server.stop()
+        else:
+            await self.server.drain(grace_s)
+        self.host.close()
+
+
+async def start_model_service(
+    config: ServiceConfig,
+    add_servicer: Callable[[ModelHost, Any], None],
+    *,
+    runner: ModelRunner | None = None,
+    wait_loaded: bool = True,
+) -> tuple[RunningService, asyncio.Task]:
+    """Listen first (health NOT_SERVING), load the model off the event loop, then
+    report SERVING. Returns the service and the loading task (already finished
+    when ``wait_loaded``). ``runner`` skips loading (an already-loaded model)."""
+    host = ModelHost(config)
+    server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes)
+    add_servicer(host, server.server)
+    port = server.bind(config.host, config.port)
+    await server.start()
+    log.info("%s service listening on %s:%d (loading model %s on %s)",
+             config.role, config.host, port, runner.path if runner else config.model_path(), config.device)
+
+    async def load():
+        try:
+            await host.load(runner)
+        except BaseException:
+            await server.stop()
+            host.close()
+            raise
+        await server.set_serving(True)
+        r = host.runner
+        log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
+                 config.role, r.path, r.vocab_size, r.max_context, config.dtype, r.device, config.host, port)
+
+    task = asyncio.ensure_future(load())
+    if wait_loaded:
+        await task
+    return RunningService(server, host, port), task
+
+
+def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[ModelHost, Any], None]) -> int:
+    """``specdec draft-service`` / ``target-service``: serve until SIGTERM, drain, exit 0."""
+    config = config_from_args(args, role)
+    setup_logging(config.log_level)
+    model = pathlib.Path(config.model_path())
+    if not (model / "config.json").is_file():  # fail before listening, with a hint
+        hint = "" if config.model else f" (the bundled {role} model is missing: pass --model DIR)"
+        raise ValueError(f"{model} is not a model directory (no config.json){hint}")
+
+    async def main() -> int:
+        service, loading = await start_model_service(config, add_servicer, wait_loaded=False)
+        try:
+            # A signal during loading drains too; a failed load ends the process.
+            await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading))
+        finally:
+            service.host.close()
+        if loading.done() and not loading.cancelled() and loading.exception() is not None:
+            e = loading.exception()
+            log.error("could not load the %s model from %s: %s: %s", role, model, type(e).__name__, e)
+            return 1
+        loading.cancel()
+        log.info("%s service exited cleanly", role)
+        return 0
+
+    return asyncio.run(main())
+
+
+async def _failed(task: asyncio.Task) -> None:
+    """Completes only if ``task`` fails (its success must not stop the server)."""
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        return
+    await asyncio.Event().wait()  # loaded fine: wait forever (until cancelled)

@@ -1,0 +1,194 @@
+"""Every conversion between protobuf messages and specdec's core types.
+
+Used by the services and the coordinator alike, so the wire format is decided
+here once:
+
+* ``SamplingParams``: proto ``top_p`` unset -> 1.0; ``seed`` unset -> None.
+* ``Distribution``: float32 little-endian bytes. Dense: ``ids`` empty, one value
+  per vocabulary entry. Sparse (the draft's truncated top-k): ``probs[j]`` is the
+  probability of ``ids[j]``. Decoding is one ``np.frombuffer`` and validates what
+  the lossless acceptance test relies on (right length, finite, non-negative, ids
+  inside the vocabulary and unique).
+* ``DraftToken``, ``Verdict`` (``VerifyResponse``) and ``ServerTiming``.
+
+Decoders raise :class:`specdec.errors.InvalidRequest` (-> INVALID_ARGUMENT) with
+a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidRequest
+from specdec.proto import specdec_pb2 as pb
+from specdec.rounds import DraftToken, Distribution
+from specdec.sampling import SamplingParams, SparseDist
+from specdec.timing import ServerTiming
+from specdec.verification import Verdict
+
+_F32_LE = np.dtype("<f4")
+
+# ------------------------------------------------------------------ sampling
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k)
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams | None) -> SamplingParams:
+    """Unset message = greedy. Invalid values -> InvalidRequest naming the field."""
+    if msg is None:
+        return SamplingParams()
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+    except ValueError as e:
+        raise InvalidRequest(f"sampling: {e}") from None
+
+
+# ------------------------------------------------------------------ distributions
+
+
+def _probs_bytes(t: torch.Tensor) -> bytes:
+    arr = t.detach().to("cpu", torch.float32).contiguous().numpy()
+    return arr.astype(_F32_LE, copy=False).tobytes()
+
+
+def dist_to_proto(q: Distribution) -> pb.Distribution:
+    """A dense [V] tensor or a SparseDist -> Distribution. Tensors on a device are
+    copied to the host here; copy them first to time that copy separately."""
+    if isinstance(q, SparseDist):
+        return pb.Distribution(ids=q.ids.detach().cpu().tolist(), probs=_probs_bytes(q.probs))
+    if q.dim() != 1:
+        raise ValueError(f"a dense distribution is one row [V], got shape {tuple(q.shape)}")
+    return pb.Distribution(probs=_probs_bytes(q))
+
+
+def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: str = "distribution") -> Distribution:
+    """Distribution -> dense float32 tensor [V] or SparseDist (on the CPU).
+
+    With ``vocab_size`` the ids / dense length are checked against it."""
+    raw = msg.probs
+    if len(raw) % 4:
+        raise InvalidRequest(f"{what}: probs has {len(raw)} bytes, not a whole number of float32 values")
+    probs = torch.from_numpy(np.frombuffer(raw, dtype=_F32_LE).astype(np.float32))  # astype copies: writable
+    n = probs.numel()
+    if n == 0:
+        raise InvalidRequest(f"{what}: probs is empty")
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise InvalidRequest(f"{what}: probabilities must be finite and >= 0")
+    if not bool((probs > 0).any()):
+        raise InvalidRequest(f"{what}: all probabilities are 0")
+    if len(msg.ids) == 0:
+        if vocab_size is not None and n != vocab_size:
+            raise InvalidRequest(f"{what}: dense distribution has {n} values, the vocabulary has {vocab_size}")
+        return probs
+    if len(msg.ids) != n:
+        raise InvalidRequest(f"{what}: {len(msg.ids)} ids but {n} probabilities")
+    ids = torch.tensor(list(msg.ids), dtype=torch.int64)
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = next(int(i) for i in msg.ids if not 0 <= i < vocab_size)
+        raise InvalidRequest(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if int(torch.unique(ids).numel()) != n:
+        raise InvalidRequest(f"{what}: ids are not unique")
+    return SparseDist(ids=ids, probs=probs)
+
+
+def dist_prob(q: Distribution, token: int) -> float:
+    """q(token) for a dense or sparse distribution (unnormalised, as sent)."""
+    if isinstance(q, SparseDist):
+        hit = (q.ids == token).nonzero()
+        return float(q.probs[hit[0, 0]]) if hit.numel() else 0.0
+    return float(q[token])
+
+
+# ------------------------------------------------------------------ draft tokens
+
+
+def draft_token_to_proto(d: DraftToken, timing: ServerTiming | None = None) -> pb.DraftToken:
+    msg = pb.DraftToken(token=d.token)
+    if d.q is not None:
+        msg.q.CopyFrom(dist_to_proto(d.q))
+    if timing is not None:
+        msg.timing.CopyFrom(timing_to_proto(timing))
+    return msg
+
+
+def draft_token_from_proto(msg: pb.DraftToken, vocab_size: int | None = None) -> DraftToken:
+    q = dist_from_proto(msg.q, vocab_size, f"q of draft token {msg.token}") if msg.HasField("q") else None
+    return DraftToken(token=msg.token, q=q)
+
+
+# ------------------------------------------------------------------ verdicts and timings
+
+
+def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.VerifyResponse:
+    msg = pb.VerifyResponse(accepted=v.accepted, next_token=v.next_token)
+    if timing is not None:
+        msg.timing.CopyFrom(timing_to_proto(timing))
+    return msg
+
+
+def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
+    return Verdict(accepted=msg.accepted, next_token=msg.next_token)
+
+
+def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
+    return pb.ServerTiming(
+        queue_s=t.queue_s, compute_s=t.compute_s, copy_s=t.copy_s, computed_tokens=t.computed_tokens
+    )
+
+
+def timing_from_proto(msg: pb.ServerTiming) -> ServerTiming:
+    return ServerTiming(msg.queue_s, msg.compute_s, msg.copy_s, msg.computed_tokens)
+
+
+# ------------------------------------------------------------------ requests (coordinator side)
+
+
+def propose_request(
+    session_id: str,
+    round_id: int,
+    position: int,
+    new_tokens: Iterable[int],
+    gamma: int,
+    params: SamplingParams,
+    draft_top_k: int = 0,
+) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
+        gamma=gamma, sampling=sampling_to_proto(params), draft_top_k=draft_top_k,
+    )
+
+
+def verify_request(
+    session_id: str,
+    round_id: int,
+    position: int,
+    new_tokens: Iterable[int],
+    drafts: list[DraftToken],
+    params: SamplingParams,
+) -> pb.VerifyRequest:
+    """Under greedy decoding no q is sent (the target does not need it)."""
+    msg = pb.VerifyRequest(
+        session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
+        draft_tokens=[d.token for d in drafts], sampling=sampling_to_proto(params),
+    )
+    if not params.greedy:
+        for d in drafts:
+            if d.q is None:
+                raise ValueError(f"draft token {d.token} has no q; sampling needs one per draft")
+            msg.draft_q.append(dist_to_proto(d.q))
+    return msg

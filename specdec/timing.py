@@ -1,0 +1,28 @@
+"""What a service spent on one call (``ServerTiming`` on the wire).
+
+The caller subtracts these from the time it observed to split a round into
+server compute, host<->device copies, queueing behind other sessions, and the
+rest: network and serialisation, the cross-device overhead (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ServerTiming:
+    queue_s: float = 0.0  # waiting for the model executor (another session's pass)
+    compute_s: float = 0.0  # forward passes, sampling, verification (copies excluded)
+    copy_s: float = 0.0  # host <-> device copies of inputs and outputs
+    computed_tokens: int = 0  # tokens run through the model in this call
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.compute_s + self.copy_s
+
+    def add(self, other: "ServerTiming") -> None:
+        self.queue_s += other.queue_s
+        self.compute_s += other.compute_s
+        self.copy_s += other.copy_s
+        self.computed_tokens += other.computed_tokens

@@ -1,0 +1,1 @@
+"""The target model's gRPC service: verifies drafts in one forward pass."""

@@ -1,0 +1,23 @@
+"""``specdec target-service``: serve the target model over gRPC (default port 50053).
+
+Every flag falls back to an environment variable (``SPECDEC_TARGET_PORT``,
+``SPECDEC_MAX_SESSIONS`` ...; see ``--help``), then to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.model_service import add_service_arguments, run_service
+
+ROLE = "target"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_service_arguments(parser, ROLE)
+
+
+def run(args: argparse.Namespace) -> int:
+    from target_service.servicer import add_to_server
+
+    return run_service(args, ROLE, add_to_server)

@@ -1,0 +1,73 @@
+"""TargetService: decode the request, judge the drafts with
+:func:`specdec.local.verify_drafts` on the session's sequence (one forward pass),
+answer the verdict.
+
+Validation, sessions, the model executor and timings are shared with the draft
+service in :mod:`specdec.model_service`.
+"""
+
+from __future__ import annotations
+
+from specdec import proto_convert as pc
+from specdec.errors import InvalidRequest
+from specdec.local import verify_drafts
+from specdec.model_service import ModelHost, sampling_key
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.rounds import DraftToken
+from specdec.timing import ServerTiming
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    def __init__(self, host: ModelHost):
+        self.host = host
+
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        host = self.host
+        tokens = list(request.draft_tokens)
+        params = host.check_round(request.session_id, request.position, request.new_tokens,
+                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens")
+        host.check_vocab(tokens, "draft_tokens")
+        qs = [None] * len(tokens) if params.greedy else self._draft_q(request, tokens)
+        new_tokens = list(request.new_tokens)
+        key = (request.position, tuple(new_tokens), tuple(tokens), sampling_key(request.sampling))
+        async with host.session(request.session_id, request.position, len(new_tokens) + len(tokens) + 1) as session:
+            recorded = session.replay(request.round_id, key)
+            if recorded is not None:  # a retried round: answered, not applied twice
+                return recorded
+            timing = ServerTiming()
+
+            def work():
+                drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs)]
+                return verify_drafts(host.runner, session.state, request.position, new_tokens, drafts, params)
+
+            verdict = await host.run(timing, work)
+            response = pc.verdict_to_proto(verdict, timing)
+            session.record(request.round_id, key, response)
+            return response
+
+    def _draft_q(self, request: pb.VerifyRequest, tokens: list[int]):
+        """Sampling needs each draft's q: one per draft, each giving its token
+        probability > 0 (a token q could not have produced cannot be judged)."""
+        if len(request.draft_q) != len(tokens):
+            raise InvalidRequest(
+                f"draft_q has {len(request.draft_q)} distributions for {len(tokens)} draft_tokens; "
+                "sampling needs exactly one per draft"
+            )
+        vocab = self.host.runner.vocab_size
+        qs = []
+        for i, (token, msg) in enumerate(zip(tokens, request.draft_q)):
+            q = pc.dist_from_proto(msg, vocab, f"draft_q[{i}]")
+            if pc.dist_prob(q, token) <= 0:
+                raise InvalidRequest(f"draft_q[{i}] gives draft token {token} probability 0")
+            qs.append(q)
+        return qs
+
+    async def EndSession(self, request, context):
+        return self.host.end_session(request)
+
+    async def GetModelInfo(self, request, context):
+        return self.host.model_info()
+
+
+def add_to_server(host: ModelHost, server) -> None:
+    pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(host), server)

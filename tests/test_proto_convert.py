@@ -1,0 +1,82 @@
+"""protobuf <-> core conversions (specdec.proto_convert) and typed config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import proto_convert as pc
+from specdec.config import ServiceConfig
+from specdec.errors import InvalidRequest
+from specdec.proto import specdec_pb2 as pb
+from specdec.rounds import DraftToken
+from specdec.sampling import SamplingParams, SparseDist
+from specdec.timing import ServerTiming
+from specdec.verification import Verdict
+
+
+def test_sampling_round_trip_and_defaults():
+    for params in [SamplingParams(), SamplingParams(0.7, 5, 0.9, 42), SamplingParams(1.0, seed=0)]:
+        assert pc.sampling_from_proto(pc.sampling_to_proto(params)) == params
+    unset = pc.sampling_from_proto(pb.SamplingParams(temperature=1.0))
+    assert unset.top_p == 1.0 and unset.seed is None
+    assert pc.sampling_from_proto(None) == SamplingParams()
+    with pytest.raises(InvalidRequest, match="top_p"):
+        pc.sampling_from_proto(pb.SamplingParams(temperature=1.0, top_p=0.0))
+
+
+def test_distributions_round_trip_exactly():
+    dense = torch.softmax(torch.randn(50), -1)
+    back = pc.dist_from_proto(pc.dist_to_proto(dense), vocab_size=50)
+    assert back.dtype == torch.float32 and torch.equal(back, dense)
+    back[0] = 0  # writable, and a copy
+    sparse = SparseDist(ids=torch.tensor([7, 3, 40]), probs=torch.tensor([0.5, 0.3, 0.2]))
+    msg = pc.dist_to_proto(sparse)
+    assert len(msg.probs) == 12 and list(msg.ids) == [7, 3, 40]
+    back = pc.dist_from_proto(msg, vocab_size=50)
+    assert torch.equal(back.ids, sparse.ids) and torch.equal(back.probs, sparse.probs)
+    assert pc.dist_prob(back, 3) == pytest.approx(0.3) and pc.dist_prob(back, 4) == 0.0
+
+
+@pytest.mark.parametrize("msg, words", [
+    (pb.Distribution(probs=b"\0\0\0"), "whole number"),
+    (pb.Distribution(probs=b""), "empty"),
+    (pb.Distribution(ids=[1, 2], probs=pc.dist_to_proto(torch.ones(1)).probs), "2 ids but 1"),
+    (pb.Distribution(ids=[60], probs=pc.dist_to_proto(torch.ones(1)).probs), "60 is outside"),
+    (pb.Distribution(ids=[1, 1], probs=pc.dist_to_proto(torch.ones(2)).probs), "not unique"),
+    (pc.dist_to_proto(torch.tensor([float("nan")] * 50)), "finite"),
+    (pc.dist_to_proto(torch.zeros(50)), "all probabilities are 0"),
+])
+def test_bad_distributions_are_invalid_requests(msg, words):
+    with pytest.raises(InvalidRequest, match=words):
+        pc.dist_from_proto(msg, vocab_size=50)
+
+
+def test_draft_tokens_verdicts_timings():
+    d = DraftToken(5, torch.softmax(torch.randn(10), -1))
+    timing = ServerTiming(0.1, 0.2, 0.01, 7)
+    msg = pc.draft_token_to_proto(d, timing)
+    back = pc.draft_token_from_proto(msg, 10)
+    assert back.token == 5 and torch.equal(back.q, d.q)
+    assert pc.timing_from_proto(msg.timing) == timing
+    assert pc.draft_token_from_proto(pc.draft_token_to_proto(DraftToken(3, None))).q is None
+    reply = pc.verdict_to_proto(Verdict(2, 9), timing)
+    assert pc.verdict_from_proto(reply) == Verdict(2, 9)
+    req = pc.verify_request("s", 1, 4, [1], [d], SamplingParams(1.0, seed=1))
+    assert list(req.draft_tokens) == [5] and len(req.draft_q) == 1
+    assert len(pc.verify_request("s", 1, 4, [1], [d], SamplingParams()).draft_q) == 0  # greedy: no q
+
+
+def test_service_config_precedence_flags_env_defaults():
+    env = {"SPECDEC_DRAFT_PORT": "6000", "SPECDEC_MAX_SESSIONS": "7", "SPECDEC_TARGET_MAX_SESSIONS": "9",
+           "SPECDEC_PORT": "1234"}  # a generic port would clash between services: ignored
+    draft = ServiceConfig.load("draft", environ=env)
+    assert (draft.port, draft.max_sessions) == (6000, 7)
+    target = ServiceConfig.load("target", environ=env)
+    assert (target.port, target.max_sessions) == (50053, 9)
+    flagged = ServiceConfig.load("draft", {"port": 7000, "max_sessions": None}, environ=env)
+    assert (flagged.port, flagged.max_sessions) == (7000, 7)
+    with pytest.raises(ValueError, match="SPECDEC_MAX_SESSIONS='x'"):
+        ServiceConfig.load("draft", environ={"SPECDEC_MAX_SESSIONS": "x"})
+    with pytest.raises(ValueError, match="max_sessions must be > 0"):
+        ServiceConfig.load("draft", {"max_sessions": 0}, environ={})
