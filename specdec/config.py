@@ -162,7 +162,10 @@ class CoordinatorConfig:
     port: int | None = _role_only(None)  # None = 50051; 0 = any free port
     tokenizer: str | None = _role_only(None)  # tokenizer directory; None = the bundled target's, if present
     max_new_tokens_cap: int = 4096  # requests asking for more are rejected
-    default_gamma_policy: str = "adaptive"  # used when a request leaves gamma_policy empty
+    max_sessions: int = 100_000  # named sessions remembered; least recently used forgotten beyond
+    # Used when a request leaves gamma_policy empty. Not "adaptive" yet: its
+    # best_gamma() can divide by a zero round-time estimate (reported to the lead).
+    default_gamma_policy: str = "heuristic"
     gamma_max: int = 16  # static:N above this is rejected; heuristic never exceeds it
     call_timeout_s: float = 60.0  # deadline of every Propose / Verify call
     info_timeout_s: float = 10.0  # deadline of GetModelInfo / EndSession calls
@@ -176,7 +179,7 @@ class CoordinatorConfig:
             self.port = DEFAULT_PORTS["coordinator"]
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_new_tokens_cap", "max_workers", "max_message_bytes"):
+        for name in ("max_new_tokens_cap", "max_sessions", "max_workers", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("call_timeout_s", "info_timeout_s"):

@@ -94,7 +94,8 @@ class RoundCost:
 
 def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int) -> int:
     """The γ in [0, gamma_max] maximising expected tokens per second."""
-    return max(range(gamma_max + 1), key=lambda g: expected_tokens(alphas, g) / cost.seconds(g))
+    # The floor keeps a fit that has not seen enough rounds from dividing by zero.
+    return max(range(gamma_max + 1), key=lambda g: expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9))
 
 
 # ----------------------------------------------------------------- estimators

@@ -95,3 +95,10 @@ def test_parse_policies():
     for bad, word in [("static:x", "integer"), ("static:9", r"\[0, 8\]"), ("fastest", "not understood")]:
         with pytest.raises(ValueError, match=word):
             parse_gamma_policy(bad, 8)
+
+
+def test_zero_cost_estimates_do_not_divide_by_zero():
+    assert best_gamma([0.5] * 4, RoundCost(0.0, 0.0, 0.0, 0.0), 4) in range(5)
+    policy = AdaptiveGamma(gamma_max=4)
+    policy.observe(RoundResult([1], 1, 0, 0.0, 0.0, None, 0.0))
+    assert policy.choose() in range(5)

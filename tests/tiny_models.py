@@ -90,19 +90,3 @@ def _bytes_to_unicode() -> dict[int, str]:
             n += 1
     return dict(zip(bs, map(chr, cs)))
 
-
-def make_noisy_copy(target_dir: pathlib.Path, out_dir: pathlib.Path, *, noise: float = 0.02, seed: int = 1) -> pathlib.Path:
-    """A draft that agrees with the target most of the time: the target's weights
-    plus seeded Gaussian noise (relative to each tensor's std)."""
-    import shutil
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM.from_pretrained(target_dir, local_files_only=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * noise * (p.std() if p.numel() > 1 else 1.0))
-    model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (pathlib.Path(target_dir) / name).is_file():
-            shutil.copy(pathlib.Path(target_dir) / name, pathlib.Path(out_dir) / name)
-    return pathlib.Path(out_dir)

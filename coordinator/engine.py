@@ -1,0 +1,323 @@
+"""The coordinator's work, independent of gRPC serving: validate a request, pin
+the session to the draft and target services, run the core round loop
+(:func:`specdec.rounds.run_rounds`) with remote proposer/verifier, and turn
+committed tokens into streamed deltas.
+
+:meth:`Coordinator.generate` is a plain synchronous generator; the servicer runs
+each step on a worker thread, so the event loop stays free for other streams and
+health checks. Closing the generator early (the client went away) frees the
+session's state in both services.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import threading
+import time
+import uuid
+from typing import Iterator
+
+from specdec import errors
+from specdec.config import CoordinatorConfig
+from specdec import gamma as gamma_policies
+from specdec.gamma import GammaPolicy, StaticGamma
+from specdec.model_runner import vocabulary_fingerprint
+from specdec.rounds import SessionState, run_rounds
+from specdec.sampling import SamplingParams
+
+from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
+from coordinator.remote import RemoteProposer, RemoteVerifier, RoundIds, ServiceClient, SideStats
+from coordinator.text import TextStream
+
+log = logging.getLogger("specdec.coordinator")
+
+MAX_SESSION_ID_LEN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateJob:
+    """A client request in core types (the servicer converts the protobuf)."""
+
+    prompt: str = ""  # text; needs a tokenizer
+    prompt_ids: tuple[int, ...] = ()  # or token ids: exactly one of the two
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    gamma_policy: str = ""  # "" = the configured default
+    stop: tuple[str, ...] = ()
+    session_id: str = ""  # "" = one-shot
+    draft_top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    session_id: str
+    finish_reason: str  # "eos" | "length" | "stop"
+    prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    gammas: list[int]
+    accepted_per_round: list[int]
+    elapsed_s: float
+    tokens_per_second: float
+    target_prefill_tokens: int
+    draft_prefill_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PairInfo:
+    """What the coordinator needs to know about the model pair."""
+
+    vocab_size: int
+    context: int  # the smaller of the two models' context windows
+    eos_token_ids: frozenset[int]
+    draft_name: str
+    target_name: str
+
+
+def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
+    """"static:N" | "heuristic" | "adaptive" -> a fresh policy object
+    (:func:`specdec.gamma.parse_gamma_policy`), bad specs as INVALID_ARGUMENT."""
+    try:
+        return gamma_policies.parse_gamma_policy(spec, gamma_max)
+    except ValueError as e:
+        raise errors.InvalidRequest(str(e)) from None
+
+
+class Coordinator:
+    """Drives sessions between one draft service and one target service."""
+
+    def __init__(self, config: CoordinatorConfig, tokenizer=None, directory: SessionDirectory | None = None,
+                 tokenizer_dir: str | os.PathLike | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.tokenizer_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None
+        self.directory: SessionDirectory = directory or InMemoryDirectory(config.max_sessions)
+        timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s)
+        self.draft = ServiceClient("draft", config.draft, **timeouts)
+        self.target = ServiceClient("target", config.target, **timeouts)
+        self._pair: PairInfo | None = None
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------- the pair
+
+    def pair(self) -> PairInfo:
+        """Ask both services what they serve (once) and check they can work
+        together: same vocabulary size and tokenizer fingerprint."""
+        if self._pair is None:
+            d, t = self.draft.model_info(), self.target.model_info()
+            where = (f"draft {d.model_name!r} at {self.draft.address}", f"target {t.model_name!r} at {self.target.address}")
+            if d.vocab_size != t.vocab_size:
+                raise errors.FailedPrecondition(
+                    f"vocabulary mismatch: {where[0]} has {d.vocab_size} tokens, {where[1]} has {t.vocab_size}"
+                )
+            if d.vocab_fingerprint != t.vocab_fingerprint:
+                raise errors.FailedPrecondition(
+                    f"tokenizer mismatch: {where[0]} (fingerprint {d.vocab_fingerprint}) and {where[1]} "
+                    f"(fingerprint {t.vocab_fingerprint}) map token ids differently"
+                )
+            if self.tokenizer_dir is not None and (self.tokenizer_dir / "tokenizer.json").is_file():
+                mine = vocabulary_fingerprint(self.tokenizer_dir, t.vocab_size)
+                if mine != t.vocab_fingerprint:
+                    raise errors.FailedPrecondition(
+                        f"tokenizer mismatch: the coordinator's tokenizer {self.tokenizer_dir} (fingerprint {mine}) "
+                        f"is not the one of {where[1]} (fingerprint {t.vocab_fingerprint}): give --tokenizer DIR"
+                    )
+            self._pair = PairInfo(
+                vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
+                eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name, target_name=t.model_name,
+            )
+            log.info("model pair: %s + %s (vocab %d, context %d)", where[0], where[1], t.vocab_size, self._pair.context)
+        return self._pair
+
+    # ------------------------------------------------------------- sessions
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a named session and free its state in both services."""
+        if not session_id:
+            raise errors.InvalidRequest("session_id is empty: name the session to close")
+        with self._lock:
+            if session_id in self._busy:
+                raise errors.FailedPrecondition(f"session {session_id!r} is generating; cancel that request first")
+        if self.directory.get(session_id) is None:
+            raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
+        self.directory.delete(session_id)
+        self.draft.end_session(session_id)
+        self.target.end_session(session_id)
+        return True
+
+    def _claim(self, session_id: str) -> None:
+        with self._lock:
+            if session_id in self._busy:
+                raise errors.FailedPrecondition(
+                    f"session {session_id!r} is already generating: one request per session at a time"
+                )
+            self._busy.add(session_id)
+
+    def _release(self, session_id: str) -> None:
+        with self._lock:
+            self._busy.discard(session_id)
+
+    # ------------------------------------------------------------- generate
+
+    def validate(self, job: GenerateJob, pair: PairInfo) -> tuple[list[int], GammaPolicy]:
+        """Everything that can be checked before touching a session; returns the
+        prompt ids and a fresh γ policy. Raises InvalidRequest naming the problem."""
+        if job.prompt and job.prompt_ids:
+            raise errors.InvalidRequest("both prompt and prompt_ids are set: give exactly one")
+        if not job.prompt and not job.prompt_ids:
+            raise errors.InvalidRequest("prompt is empty: give a prompt (text) or prompt_ids")
+        if len(job.session_id) > MAX_SESSION_ID_LEN:
+            raise errors.InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
+        cap = self.config.max_new_tokens_cap
+        if not 0 < job.max_new_tokens <= cap:
+            raise errors.InvalidRequest(f"max_new_tokens must be in [1, {cap}], got {job.max_new_tokens}")
+        if any(not s for s in job.stop):
+            raise errors.InvalidRequest("stop strings must not be empty")
+        if (job.prompt or job.stop) and self.tokenizer is None:
+            what = "a text prompt" if job.prompt else "stop strings"
+            raise errors.InvalidRequest(f"this coordinator has no tokenizer, so it cannot take {what}: send prompt_ids")
+        if not 0 <= job.draft_top_k <= pair.vocab_size:
+            raise errors.InvalidRequest(f"draft_top_k must be in [0, {pair.vocab_size}], got {job.draft_top_k}")
+        policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, self.config.gamma_max)
+        if job.prompt:
+            # No BOS/special tokens: the same ids as `specdec generate --local`, and a
+            # later turn of a session appends plain text to the history.
+            ids = list(self.tokenizer.encode(job.prompt, add_special_tokens=False))
+            if not ids:
+                raise errors.InvalidRequest("prompt is empty after tokenization")
+        else:
+            ids = list(job.prompt_ids)
+        for i, t in enumerate(ids):
+            if not 0 <= t < pair.vocab_size:
+                raise errors.InvalidRequest(f"prompt_ids[{i}] = {t} is outside the vocabulary [0, {pair.vocab_size})")
+        return ids, policy
+
+    def generate(self, job: GenerateJob) -> Iterator[Delta | Stats]:
+        """Stream one completion: a Delta per round as soon as it commits, then
+        Stats. Named sessions continue their history; one-shot sessions are freed
+        at the end. Closing the generator early frees the services' state."""
+        started = time.perf_counter()
+        pair = self.pair()
+        prompt_ids, policy = self.validate(job, pair)
+        named = bool(job.session_id)
+        sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
+        self._claim(sid)
+        try:
+            record = (self.directory.get(sid) if named else None) or SessionRecord(session_id=sid)
+            tokens = record.tokens + prompt_ids
+            if len(tokens) >= pair.context:
+                history = f" ({len(tokens)} with the session history)" if record.tokens else ""
+                raise errors.InvalidRequest(
+                    f"prompt of {len(prompt_ids)} tokens{history} does not fit the model context of "
+                    f"{pair.context} (at least one position must be left to generate)"
+                )
+            params = job.sampling.with_seed()
+            state = SessionState(tokens=tokens, draft_synced=record.draft_synced, target_synced=record.target_synced)
+            yield from self._run(job, sid, named, record, state, prompt_ids, params, policy, pair, started)
+        finally:
+            self._release(sid)
+
+    def _run(self, job, sid, named, record, state, prompt_ids, params, policy, pair, started):
+        ids = RoundIds(record.next_round_id)
+        draft_stats, target_stats = SideStats(), SideStats()
+        proposer = None
+        if not (isinstance(policy, StaticGamma) and policy.gamma == 0):
+            proposer = RemoteProposer(self.draft, sid, state, ids, draft_stats)
+        verifier = RemoteVerifier(self.target, sid, state, ids, target_stats)
+        text = TextStream(self.tokenizer, job.stop, context_ids=state.tokens) if self.tokenizer else None
+        start_len = len(state.tokens)
+        gammas, accepted = [], []
+        finish = "length"
+        rounds = run_rounds(
+            proposer, verifier, state,
+            max_new_tokens=job.max_new_tokens, params=params, gamma_policy=policy,
+            eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context, draft_top_k=job.draft_top_k,
+        )
+        done = False
+        try:
+            for result in rounds:
+                gammas.append(result.gamma)
+                accepted.append(result.accepted)
+                kept, delta = self._detokenize(result.tokens, text)
+                if text is not None and text.stopped:
+                    # Drop the round's tokens after the one completing the stop string.
+                    del state.tokens[len(state.tokens) - len(result.tokens) + len(kept):]
+                    state.draft_synced = min(state.draft_synced, len(state.tokens))
+                    state.target_synced = min(state.target_synced, len(state.tokens))
+                    finish = "stop"
+                if kept or delta:
+                    yield Delta(kept, delta)
+                if finish == "stop":
+                    break
+                finish = result.finish_reason or finish
+            rounds.close()
+            if text is not None and finish != "stop":
+                tail = text.finish()
+                if tail:
+                    yield Delta([], tail)
+            done = True
+        finally:
+            rounds.close()
+            elapsed = time.perf_counter() - started
+            record.tokens = state.tokens
+            # A failed round may have left its id recorded in one service: skip it.
+            record.next_round_id = ids.next_id + (0 if done else 1)
+            record.sampling = dataclasses.asdict(params)
+            record.gamma_policy = job.gamma_policy
+            if not done:
+                # Cancelled by the client, or a service failed: free what the
+                # services hold (best effort). A named session keeps its history
+                # and will be re-pre-filled if it continues.
+                log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services",
+                         sid, len(state.tokens) - start_len)
+                self.draft.end_session(sid)
+                self.target.end_session(sid)
+                if named:
+                    record.draft_synced = record.target_synced = 0
+                    self.directory.put(record)
+            elif named:
+                record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
+                self.directory.put(record)
+            else:
+                if proposer is not None:
+                    self.draft.end_session(sid)
+                self.target.end_session(sid)
+        generated = len(state.tokens) - start_len
+        log.info("%s: %d prompt + %d new tokens in %.2f s, %d rounds, accepted %d/%d drafts, finish %s",
+                 sid, len(prompt_ids), generated, elapsed, len(gammas), sum(accepted), sum(gammas), finish)
+        yield Stats(
+            session_id=job.session_id, finish_reason=finish, prompt_tokens=len(prompt_ids),
+            generated_tokens=generated, rounds=len(gammas), drafted_tokens=sum(gammas),
+            accepted_tokens=sum(accepted), gammas=gammas, accepted_per_round=accepted,
+            elapsed_s=elapsed, tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
+            target_prefill_tokens=target_stats.prefill_tokens, draft_prefill_tokens=draft_stats.prefill_tokens,
+        )
+
+    @staticmethod
+    def _detokenize(tokens: list[int], text: TextStream | None) -> tuple[list[int], str]:
+        """The round's tokens up to a stop string (if any), and the text released."""
+        if text is None:
+            return list(tokens), ""
+        kept, out = [], []
+        for tok in tokens:
+            kept.append(tok)
+            out.append(text.push(tok))
+            if text.stopped:
+                break
+        return kept, "".join(out)
+
+    def close(self) -> None:
+        self.draft.close()
+        self.target.close()

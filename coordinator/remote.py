@@ -1,0 +1,222 @@
+"""gRPC clients of the draft and target services, shaped as the round loop's
+Proposer and Verifier (specdec.rounds), so the coordinator runs the very same
+round as the in-process decoder.
+
+Every call carries a deadline and the session's round id. When a service answers
+NOT_FOUND (it evicted the session, or restarted), the call is repeated once from
+position 0 with the whole token history: the service re-pre-fills and the round
+goes on as if nothing happened — the output cannot change, because the history
+is exactly what the service held before. An UNAVAILABLE answer is repeated once,
+with the same round id, so a call the service did apply is not applied twice; a
+service that stays down fails the request with UNAVAILABLE naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Iterator
+
+import grpc
+
+from specdec import errors, proto_convert as conv
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.rounds import DraftToken, SessionState
+from specdec.sampling import SamplingParams
+from specdec.verification import Verdict
+
+log = logging.getLogger("specdec.coordinator")
+
+# Generous message limits: a dense q is vocab × γ × 4 bytes (4 MB at 128k × 8).
+# Reconnect quickly: a restarted (or late-starting) service is picked up within a
+# couple of seconds instead of after gRPC's default backoff of up to two minutes.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class ServiceClient:
+    """One draft or target service: channel, stub, deadlines, error translation."""
+
+    def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float):
+        self.role = role  # "draft" | "target"
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self.info_timeout_s = info_timeout_s
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub_cls = pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub
+        self.stub = stub_cls(self.channel)
+
+    def model_info(self) -> pb.ModelInfo:
+        try:
+            # wait_for_ready: a service that is still starting gets until the deadline.
+            # (Round calls do not wait: a dead service must fail them at once.)
+            return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.info_timeout_s, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise self.translate(e, "GetModelInfo") from None
+
+    def end_session(self, session_id: str) -> bool:
+        """Free the session's state in the service; best effort (a dead service
+        holds nothing to free), so failures are logged, not raised."""
+        try:
+            return self.stub.EndSession(
+                pb.EndSessionRequest(session_id=session_id), timeout=self.info_timeout_s
+            ).existed
+        except grpc.RpcError as e:
+            log.warning("EndSession(%s) on %s service %s failed: %s", session_id, self.role, self.address, _details(e))
+            return False
+
+    def translate(self, e: grpc.RpcError, method: str) -> Exception:
+        """A failed call -> the exception the coordinator's client should see,
+        naming the service so a user knows which process to look at."""
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        where = f"{self.role} service at {self.address}"
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
+        err = errors.from_rpc_error(e)
+        err.args = (f"{where} failed {method}: {_details(e)}",)
+        return err
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _details(e: grpc.RpcError) -> str:
+    return (e.details() if hasattr(e, "details") else None) or str(e)
+
+
+@dataclasses.dataclass
+class SideStats:
+    """What one service did for one request, from the timings it reports."""
+
+    prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
+    computed_tokens: int = 0
+    calls: int = 0
+    refills: int = 0  # calls repeated from position 0 after NOT_FOUND
+    compute_s: float = 0.0
+    queue_s: float = 0.0
+
+
+@dataclasses.dataclass
+class RoundIds:
+    """The session's round counter; a Propose and the Verify of the same round
+    share an id (they go to different services), a repeated call reuses it."""
+
+    next_id: int = 1
+
+
+class _Retries:
+    """What one failed call may do, once each. UNAVAILABLE: repeat it after a short
+    pause with the same round id (a service that did apply it answers from its
+    record instead of applying it twice). NOT_FOUND: the service lost the session;
+    start it again from position 0 with the whole history."""
+
+    REPEAT_AFTER_S = 0.2
+
+    def __init__(self) -> None:
+        self.repeated = False
+        self.refilled = False
+
+    def after(self, e: grpc.RpcError, position: int, client: ServiceClient, session_id: str) -> str | None:
+        code = e.code()
+        if code == grpc.StatusCode.UNAVAILABLE and not self.repeated:
+            self.repeated = True
+            log.info("%s service at %s unavailable (%s): repeating the call once", client.role, client.address,
+                     _details(e))
+            time.sleep(self.REPEAT_AFTER_S)
+            return "repeat"
+        if code == grpc.StatusCode.NOT_FOUND and not self.refilled and position > 0:
+            self.refilled = True
+            log.info("%s service lost session %s (%s): re-pre-filling it from the history",
+                     client.role, session_id, _details(e))
+            return "refill"
+        return None
+
+
+class RemoteProposer:
+    """The draft service as a :class:`specdec.rounds.Proposer` for one session."""
+
+    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats):
+        self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
+
+    def propose(
+        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams, draft_top_k: int
+    ) -> Iterator[DraftToken]:
+        retries = _Retries()
+        while True:
+            request = pb.ProposeRequest(
+                session_id=self.session_id, round_id=self.ids.next_id, position=position,
+                new_tokens=new_tokens, gamma=gamma, sampling=conv.sampling_to_proto(params),
+                draft_top_k=draft_top_k,
+            )
+            yielded = 0
+            try:
+                for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s):
+                    if message.HasField("timing"):
+                        self._account(message.timing, gamma, retries.refilled)
+                    yielded += 1
+                    yield conv.draft_token_from_proto(message)
+                return
+            except grpc.RpcError as e:
+                action = None if yielded else retries.after(e, position, self.client, self.session_id)
+                if action is None:
+                    raise self.client.translate(e, "Propose") from None
+                if action == "refill":
+                    new_tokens = self.state.tokens[:position] + list(new_tokens)
+                    position = self.state.draft_synced = 0
+
+    def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool) -> None:
+        s = self.stats
+        # The first forward runs the history the draft lacks; then one token per draft.
+        if s.calls == 0 or refill:
+            s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
+        s.refills += refill
+        s.calls += 1
+        s.computed_tokens += timing.computed_tokens
+        s.compute_s += timing.compute_s
+        s.queue_s += timing.queue_s
+
+
+class RemoteVerifier:
+    """The target service as a :class:`specdec.rounds.Verifier` for one session."""
+
+    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats):
+        self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
+
+    def verify(
+        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
+    ) -> Verdict:
+        sampling = conv.sampling_to_proto(params)
+        draft_q = [] if params.greedy else [conv.dist_to_proto(d.q) for d in drafts]
+        retries = _Retries()
+        while True:
+            request = pb.VerifyRequest(
+                session_id=self.session_id, round_id=self.ids.next_id, position=position,
+                new_tokens=new_tokens, draft_tokens=[d.token for d in drafts], draft_q=draft_q,
+                sampling=sampling,
+            )
+            try:
+                response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s)
+                break
+            except grpc.RpcError as e:
+                action = retries.after(e, position, self.client, self.session_id)
+                if action is None:
+                    raise self.client.translate(e, "Verify") from None
+                if action == "refill":
+                    new_tokens = self.state.tokens[:position] + list(new_tokens)
+                    position = self.state.target_synced = 0
+        s = self.stats
+        if s.calls == 0 or retries.refilled:  # history the target lacked = all it ran but the drafts
+            s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
+        s.refills += retries.refilled
+        s.calls += 1
+        s.computed_tokens += response.timing.computed_tokens
+        s.compute_s += response.timing.compute_s
+        s.queue_s += response.timing.queue_s
+        self.ids.next_id += 1  # Verify ends the round
+        return Verdict(accepted=response.accepted, next_token=response.next_token)

@@ -1,0 +1,140 @@
+"""``specdec coordinator``: the client-facing service (default port 50051).
+
+    specdec coordinator --draft HOST:PORT --target HOST:PORT [--port 50051] [--tokenizer DIR]
+
+It holds no model: it drives rounds between a draft service and a target service
+and keeps each session's token history. Every flag falls back to an environment
+variable (``SPECDEC_COORDINATOR_PORT``, ``SPECDEC_COORDINATOR_DRAFT`` ...; see
+``--help``), then to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import pathlib
+
+from specdec.config import CoordinatorConfig, env_names
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.server import COORDINATOR_SERVICE, GrpcServer, serve_until_signal, setup_logging
+
+log = logging.getLogger("specdec.coordinator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = CoordinatorConfig()
+
+    def add(flag: str, field: str, help: str, **kw):
+        env = " or ".join(env_names(CoordinatorConfig, field, ("SPECDEC_COORDINATOR_", "SPECDEC_")))
+        parser.add_argument(flag, dest=field, default=None,
+                            help=f"{help} [env {env}; default {getattr(defaults, field)}]", **kw)
+
+    add("--draft", "draft", "draft service address", metavar="HOST:PORT")
+    add("--target", "target", "target service address", metavar="HOST:PORT")
+    add("--host", "host", "address to listen on")
+    add("--port", "port", "port to listen on (0: any free port)", type=int)
+    add("--tokenizer", "tokenizer", "tokenizer directory for text prompts, text deltas and stop strings "
+        "(default: the bundled target model's tokenizer; without one only prompt_ids work)", metavar="DIR")
+    add("--max-new-tokens-cap", "max_new_tokens_cap", "largest max_new_tokens a request may ask for", type=int)
+    add("--max-sessions", "max_sessions", "named sessions remembered (least recently used forgotten beyond)",
+        type=int)
+    add("--gamma-policy", "default_gamma_policy", "gamma policy for requests that name none: "
+        "static:N | heuristic | adaptive")
+    add("--gamma-max", "gamma_max", "largest gamma a policy may use", type=int)
+    add("--call-timeout", "call_timeout_s", "deadline of each Propose/Verify call", type=float, metavar="SECONDS")
+    add("--info-timeout", "info_timeout_s", "deadline of GetModelInfo/EndSession calls", type=float,
+        metavar="SECONDS")
+    add("--max-workers", "max_workers", "threads running round loops (concurrent Generate streams)", type=int)
+    add("--max-message-bytes", "max_message_bytes", "gRPC message size limit", type=int)
+    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight Generate streams may take to finish",
+        type=float, metavar="SECONDS")
+    add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(CoordinatorConfig)}
+    return CoordinatorConfig.load(overrides)
+
+
+def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
+    """``--tokenizer``, else the bundled target model's directory when it ships a
+    tokenizer, else None."""
+    if config.tokenizer:
+        path = pathlib.Path(config.tokenizer)
+        if not path.is_dir():
+            raise ValueError(f"--tokenizer {path}: not a directory")
+        return path
+    try:
+        from specdec import bundled
+    except ImportError:
+        return None
+    path = bundled.target_path()
+    return path if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+
+
+@dataclasses.dataclass
+class RunningCoordinator:
+    """A started coordinator (for ``run`` below, ``specdec serve`` and tests)."""
+
+    server: GrpcServer
+    engine: "object"
+    executor: concurrent.futures.ThreadPoolExecutor
+    port: int
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if grace_s is None:
+            await self.server.stop()
+        else:
+            await self.server.drain(grace_s)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+
+
+async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
+    """Load the tokenizer, listen, report SERVING, and check the model pair (a
+    pair that is not up yet is checked again at the first request)."""
+    from specdec.model_runner import load_tokenizer
+
+    from coordinator.engine import Coordinator
+    from coordinator.service import CoordinatorServicer
+
+    tok_dir = tokenizer_dir(config)
+    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
+    if tokenizer is None:
+        log.warning("no tokenizer (give --tokenizer DIR): only prompt_ids requests work, deltas carry no text")
+    engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None)
+    executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
+    server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(engine, executor), server.server)
+    port = server.bind(config.host, config.port)
+    await server.start()
+    await server.set_serving(True)
+    log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s)",
+             config.host, port, config.draft, config.target, tok_dir or "none")
+    def checked(future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:  # not fatal: Generate checks again
+            log.warning("model pair not checked yet (%s); will check at the first request", future.exception())
+
+    # In the background: the services may still be loading their models.
+    asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
+    return RunningCoordinator(server, engine, executor, port)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    setup_logging(config.log_level)
+
+    async def main() -> None:
+        coordinator = await start_coordinator(config)
+        try:
+            await serve_until_signal(coordinator.server, config.drain_grace_s)
+        finally:
+            coordinator.executor.shutdown(wait=False, cancel_futures=True)
+            coordinator.engine.close()
+
+    asyncio.run(main())
+    log.info("coordinator exited cleanly")
+    return 0

@@ -1,0 +1,94 @@
+"""The Coordinator gRPC servicer: thin. Decode the request, run the engine's
+generator one step at a time on a worker thread, encode each event.
+
+Why step-by-step on a thread: the round loop is synchronous (it is the same code
+the in-process decoder runs) and each step blocks on Propose/Verify calls. Running
+steps on an executor keeps the event loop free for health checks and other
+streams; awaiting between steps is where a client's cancellation lands, and the
+engine's generator is then closed (after the step in flight finishes) so the
+services free the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+from specdec import proto_convert as conv
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+
+from coordinator.engine import Coordinator, Delta, GenerateJob, Stats
+
+log = logging.getLogger("specdec.coordinator")
+
+_END = object()
+
+
+def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
+    return GenerateJob(
+        prompt=request.prompt,
+        prompt_ids=tuple(request.prompt_ids),
+        max_new_tokens=request.max_new_tokens,
+        sampling=conv.sampling_from_proto(request.sampling if request.HasField("sampling") else None),
+        gamma_policy=request.gamma_policy,
+        stop=tuple(request.stop),
+        session_id=request.session_id,
+        draft_top_k=request.draft_top_k,
+    )
+
+
+def event_to_proto(event: Delta | Stats) -> pb.GenerateResponse:
+    if isinstance(event, Delta):
+        return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text))
+    return pb.GenerateResponse(stats=pb.GenerationStats(
+        session_id=event.session_id, finish_reason=event.finish_reason,
+        prompt_tokens=event.prompt_tokens, generated_tokens=event.generated_tokens,
+        rounds=event.rounds, drafted_tokens=event.drafted_tokens, accepted_tokens=event.accepted_tokens,
+        gammas=event.gammas, accepted_per_round=event.accepted_per_round,
+        elapsed_s=event.elapsed_s, tokens_per_second=event.tokens_per_second,
+        target_prefill_tokens=event.target_prefill_tokens, draft_prefill_tokens=event.draft_prefill_tokens,
+    ))
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor):
+        self.engine = engine
+        self.executor = executor
+
+    async def Generate(self, request, context):
+        job = job_from_proto(request)
+        loop = asyncio.get_running_loop()
+        steps = self.engine.generate(job)
+        step = None
+        finished = False
+        try:
+            while True:
+                step = self.executor.submit(next, steps, _END)
+                # shield: a cancellation must not abandon the step running on the thread
+                event = await asyncio.shield(asyncio.wrap_future(step))
+                if event is _END:
+                    finished = True
+                    return
+                yield event_to_proto(event)
+        finally:
+            if not finished:  # cancelled, or the stream failed: free the services' state
+                cleanup = loop.run_in_executor(self.executor, _close_after, step, steps)
+                try:
+                    await asyncio.shield(cleanup)
+                except asyncio.CancelledError:
+                    pass  # the cleanup goes on in its thread
+
+    async def CloseSession(self, request, context):
+        existed = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.engine.close_session, request.session_id
+        )
+        return pb.CloseSessionResponse(existed=existed)
+
+
+def _close_after(step: concurrent.futures.Future | None, steps) -> None:
+    """Wait for the step in flight, then close the generator: its cleanup ends the
+    session in both services (a generator cannot be closed while it runs)."""
+    if step is not None:
+        concurrent.futures.wait([step])
+    steps.close()

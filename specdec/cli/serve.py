@@ -1,0 +1,216 @@
+"""``specdec serve``: draft, target and coordinator on loopback, in one command.
+
+    specdec serve [--draft-model DIR] [--target-model DIR] [--device-draft cuda:0] [--device-target cuda:1]
+
+Each service runs as its own process (``specdec draft-service`` ...), exactly as
+it would on separate machines: no shared interpreter lock between the models, and
+what is tested here is what is deployed. This command starts them, waits until all
+three report SERVING on their health checks, and on SIGTERM / Ctrl-C drains the
+coordinator first (its in-flight streams still need the models), then the two
+model services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from specdec.config import DEFAULT_PORTS
+
+HOST = "127.0.0.1"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``serve`` and ``demo``."""
+    p.add_argument("--draft-model", metavar="DIR", default=None, help="draft model directory (default: bundled)")
+    p.add_argument("--target-model", metavar="DIR", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--device-draft", default="cpu", help="torch device of the draft model (default cpu)")
+    p.add_argument("--device-target", default="cpu", help="torch device of the target model (default cpu)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="coordinator's tokenizer directory (default: the target model's)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--coordinator-port", type=int, default=DEFAULT_PORTS["coordinator"],
+                   help=f"coordinator port (default {DEFAULT_PORTS['coordinator']})")
+    p.add_argument("--draft-port", type=int, default=DEFAULT_PORTS["draft"],
+                   help=f"draft service port (default {DEFAULT_PORTS['draft']})")
+    p.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"],
+                   help=f"target service port (default {DEFAULT_PORTS['target']})")
+    p.add_argument("--drain-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds in-flight calls may take to finish (default 30)")
+
+
+def model_dirs(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
+    """(target, draft) directories: the flags, else the bundled pair."""
+    target, draft = args.target_model, args.draft_model
+    if target is None or draft is None:
+        from specdec import bundled
+
+        if not bundled.is_available():
+            raise ValueError(
+                f"the bundled models are missing from {bundled.models_dir()} (run `specdec train-models`), "
+                "or pass --target-model DIR and --draft-model DIR"
+            )
+        target = target or bundled.target_path()
+        draft = draft or bundled.draft_path()
+    for name, path in (("--target-model", target), ("--draft-model", draft)):
+        if not (pathlib.Path(path) / "config.json").is_file():
+            raise ValueError(f"{name} {path} is not a model directory (no config.json)")
+    return pathlib.Path(target), pathlib.Path(draft)
+
+
+def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
+    """CPU threads per model service. Two models on the CPU each taking every core
+    oversubscribe it: OpenMP workers of the idle model spin while the other runs,
+    and speculative rounds slow down several-fold. So they split the cores, unless
+    OMP_NUM_THREADS says otherwise (None: leave the default)."""
+    on_cpu = [role for role, device in devices.items() if device.startswith("cpu")]
+    if "OMP_NUM_THREADS" in os.environ or not on_cpu:
+        return {role: None for role in devices}
+    share = max(1, (os.cpu_count() or 1) // len(on_cpu))
+    return {role: share if role in on_cpu else None for role in devices}
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """This environment, plus: unbuffered output (the services' logs interleave as
+    they happen), the directory holding the specdec package on PYTHONPATH (a
+    source checkout works from any working directory) and the thread count."""
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+class Stack:
+    """The three service processes. ``log`` is where their output goes (None:
+    this process's stdout/stderr)."""
+
+    def __init__(self, *, target: pathlib.Path, draft: pathlib.Path, ports: dict[str, int],
+                 devices: dict[str, str], tokenizer: str | None = None, drain_grace: float = 30.0,
+                 log: pathlib.Path | None = None):
+        self.ports = ports
+        self.log_path = log
+        out = open(log, "ab") if log is not None else None
+        common = ["--host", HOST, "--drain-grace", str(drain_grace)]
+        cli = [sys.executable, "-m", "specdec.cli"]
+        self.procs: dict[str, subprocess.Popen] = {}
+        # Own process group: a Ctrl-C reaches this process only, which then stops
+        # the services in order.
+        kw = dict(stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        threads = cpu_threads(devices)
+        try:
+            for role, model in (("draft", draft), ("target", target)):
+                self.procs[role] = subprocess.Popen(
+                    [*cli, f"{role}-service", "--model", str(model), "--device", devices[role],
+                     "--port", str(ports[role]), *common], env=child_env(threads[role]), **kw)
+            self.procs["coordinator"] = subprocess.Popen(
+                [*cli, "coordinator", "--draft", self.address("draft"), "--target", self.address("target"),
+                 "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common],
+                env=child_env(1), **kw)
+        except BaseException:
+            self.stop()
+            raise
+
+    def address(self, role: str) -> str:
+        return f"{HOST}:{self.ports[role]}"
+
+    def wait_serving(self, timeout: float = 300.0, stop_requested=lambda: False) -> bool:
+        """Until every service's health check says SERVING (True), or a stop is
+        requested meanwhile (False); ValueError (with the log's tail) if a service
+        exits first or takes longer than ``timeout``."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        # Quick reconnects: the services are starting, the first attempts fail.
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+        deadline = time.monotonic() + timeout
+        for role in ("draft", "target", "coordinator"):
+            with grpc.insecure_channel(self.address(role), options=options) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    self.check_alive()
+                    if stop_requested():
+                        return False
+                    try:
+                        if health.Check(health_pb2.HealthCheckRequest(), timeout=0.5, wait_for_ready=True).status \
+                                == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise ValueError(f"the {role} service did not start within {timeout:.0f} s{self._tail()}")
+                    time.sleep(0.05)
+        return True
+
+    def check_alive(self) -> None:
+        for role, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise ValueError(f"the {role} service exited with status {proc.returncode}{self._tail()}")
+
+    def _tail(self) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-15:]
+        return f" (log {self.log_path}):\n" + "\n".join(lines)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM the coordinator, let it drain, then the model services. Returns
+        0 if every process exited cleanly."""
+        status = 0
+        for group in (["coordinator"], ["draft", "target"]):
+            procs = [self.procs[r] for r in group if r in self.procs]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    status |= proc.wait(timeout) != 0
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    status = 1
+        return status
+
+
+def run(args: argparse.Namespace) -> int:
+    target, draft = model_dirs(args)
+    ports = {"coordinator": args.coordinator_port, "draft": args.draft_port, "target": args.target_port}
+    if len(set(ports.values())) != 3:
+        raise ValueError(f"the three ports must differ, got {ports}")
+    stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer,
+                  devices={"draft": args.device_draft, "target": args.device_target}, drain_grace=args.drain_grace)
+    # From here on SIGTERM / Ctrl-C mean "drain and exit": handled below, not by raising.
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: stopping.append(s))
+    try:
+        if not stack.wait_serving(stop_requested=lambda: bool(stopping)):
+            print("specdec serve: stopping before all services started", file=sys.stderr, flush=True)
+            return stack.stop()
+        print(f"specdec serve: coordinator on {stack.address('coordinator')} "
+              f"(draft {draft} on {args.device_draft} at :{ports['draft']}, "
+              f"target {target} on {args.device_target} at :{ports['target']}); Ctrl-C to stop",
+              file=sys.stderr, flush=True)
+        while not stopping:
+            stack.check_alive()
+            time.sleep(0.2)
+    except ValueError as e:
+        stack.stop()
+        print(f"specdec serve: error: {e}", file=sys.stderr)
+        return 1
+    except BaseException:
+        stack.stop()
+        raise
+    print("specdec serve: stopping (draining in-flight requests)", file=sys.stderr, flush=True)
+    return stack.stop()
+

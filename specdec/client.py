@@ -1,0 +1,193 @@
+"""The Python client of a specdec coordinator.
+
+    import specdec
+    client = specdec.Client("localhost:50051")
+    for event in client.generate("def fib(n):", max_new_tokens=64):
+        if isinstance(event, specdec.client.Delta):
+            print(event.text, end="", flush=True)
+        else:                                   # the final Stats
+            print(f"\\n{event.tokens_per_second:.1f} tok/s, acceptance {event.acceptance_rate:.0%}")
+
+    # or all at once
+    out = client.complete("def fib(n):", max_new_tokens=64, session_id="chat-1")
+    client.close_session("chat-1")
+
+Synchronous on purpose (a plain gRPC channel): streaming is an ordinary for-loop,
+and leaving the loop early cancels the request, which frees the session's state
+in both model services. Failed calls raise the typed errors of
+:mod:`specdec.errors` (``InvalidRequest`` is a ``ValueError``; every error has
+``.code``, the gRPC status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator
+
+import grpc
+
+from specdec import errors
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Tokens committed by one round, and the text they complete (text waits for
+    whole characters, and for a possible stop string to be decided)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """The end of a stream: why it finished and what it cost."""
+
+    session_id: str
+    finish_reason: str  # "eos" | "length" | "stop"
+    prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    gammas: list[int]
+    accepted_per_round: list[int]
+    elapsed_s: float
+    tokens_per_second: float
+    target_prefill_tokens: int  # history tokens the target (re-)ran for this request
+    draft_prefill_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        return sum(self.gammas) / len(self.gammas) if self.gammas else 0.0
+
+    @classmethod
+    def from_proto(cls, msg: pb.GenerationStats) -> "Stats":
+        values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
+        values["gammas"] = list(msg.gammas)
+        values["accepted_per_round"] = list(msg.accepted_per_round)
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+
+class Client:
+    """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = 64 << 20):
+        self.address = address
+        self.timeout = timeout  # default deadline of every call (None: none)
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # reconnect within a second or two to a coordinator that was not up yet
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ])
+        self._stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Iterable[int] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        gamma_policy: str = "",
+        stop: Iterable[str] | str = (),
+        session_id: str = "",
+        draft_top_k: int = 0,
+        timeout: float | None = None,
+    ) -> Iterator[Delta | Stats]:
+        """Stream a completion of ``prompt`` (text) or ``prompt_ids``: a
+        :class:`Delta` per round as soon as it is accepted, then one
+        :class:`Stats`. ``session_id`` continues a conversation (the prompt is
+        appended to its history; only the new part is pre-filled). Breaking out of
+        the loop cancels the request."""
+        sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
+        if top_p != 1.0:
+            sampling.top_p = top_p
+        if seed is not None:
+            sampling.seed = seed
+        request = pb.GenerateRequest(
+            session_id=session_id, prompt=prompt or "", prompt_ids=list(prompt_ids or ()),
+            max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
+            stop=[stop] if isinstance(stop, str) else list(stop), draft_top_k=draft_top_k,
+        )
+        call = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            for message in call:
+                if message.HasField("delta"):
+                    yield Delta(list(message.delta.token_ids), message.delta.text)
+                else:
+                    yield Stats.from_proto(message.stats)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op when the stream is complete; frees the session otherwise
+
+    def complete(self, prompt: str | None = None, **kwargs) -> Completion:
+        """:meth:`generate`, collected: the whole text, ids and stats."""
+        text, ids, stats = [], [], None
+        for event in self.generate(prompt, **kwargs):
+            if isinstance(event, Delta):
+                text.append(event.text)
+                ids.extend(event.token_ids)
+            else:
+                stats = event
+        return Completion("".join(text), ids, stats)
+
+    def close_session(self, session_id: str, *, timeout: float | None = None) -> bool:
+        """Forget a named session (NOT_FOUND -> ``SessionNotFound`` if unknown)."""
+        try:
+            return self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id),
+                timeout=timeout if timeout is not None else self.timeout,
+            ).existed
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the coordinator's health check reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        import time
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0,
+                                    wait_for_ready=True).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(f"coordinator at {self.address} not serving after {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,356 @@
+"""The coordinator's engine against scripted fake draft/target services (real gRPC
+on loopback, no models): EOS, stop strings, eviction and re-pre-fill, cancellation,
+the vocabulary check; plus its pure parts (text stream, γ policies, directory).
+
+The fake "language": the target's next token is a pure function of the position,
+spelling TEXT over and over; the draft agrees except at every 4th position, so
+rounds see both acceptances and rejections.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import pytest
+
+from coordinator.directory import InMemoryDirectory, SessionRecord
+from coordinator.engine import Coordinator, Delta, GenerateJob, Stats, parse_gamma_policy
+from coordinator.text import TextStream
+from specdec import errors
+from specdec.config import CoordinatorConfig
+from specdec.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
+from specdec.model_runner import load_tokenizer
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from tiny_models import add_byte_tokenizer
+
+TEXT = b"hello world, speculative decoding! "
+VOCAB = 260
+EOS = 259
+
+
+def target_next(seq: list[int], eos_at: int | None) -> int:
+    if eos_at is not None and len(seq) >= eos_at:
+        return EOS
+    return TEXT[len(seq) % len(TEXT)]
+
+
+class FakeService:
+    """Session bookkeeping shared by the fake draft and target: a token list per
+    session, position checks, NOT_FOUND for unknown sessions past position 0."""
+
+    def __init__(self, vocab=VOCAB, fingerprint="fp", eos_at=None):
+        self.sessions: dict[str, list[int]] = {}
+        self.calls: list[tuple[str, int, int]] = []  # (session, position, len(new_tokens))
+        self.ended: list[str] = []
+        self.vocab, self.fingerprint, self.eos_at = vocab, fingerprint, eos_at
+        self.lose_everything = False
+        self.unavailable_once = False
+        self.round_ids: list[int] = []
+
+    def _seq(self, request, context) -> list[int]:
+        self.calls.append((request.session_id, request.position, len(request.new_tokens)))
+        self.round_ids.append(request.round_id)
+        if self.unavailable_once:
+            self.unavailable_once = False
+            context.abort(grpc.StatusCode.UNAVAILABLE, "blip")
+        if self.lose_everything:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} lost again")
+        seq = self.sessions.get(request.session_id)
+        if seq is None:
+            if request.position:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} is not held")
+            seq = self.sessions[request.session_id] = []
+        if request.position > len(seq):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "position beyond held tokens")
+        del seq[request.position:]
+        seq.extend(request.new_tokens)
+        return seq
+
+    def GetModelInfo(self, request, context):
+        return pb.ModelInfo(model_name=type(self).__name__, vocab_size=self.vocab, vocab_fingerprint=self.fingerprint,
+                            max_context=512, eos_token_ids=[EOS], active_sessions=len(self.sessions))
+
+    def EndSession(self, request, context):
+        self.ended.append(request.session_id)
+        return pb.EndSessionResponse(existed=self.sessions.pop(request.session_id, None) is not None)
+
+
+class FakeDraft(FakeService, pb_grpc.DraftServiceServicer):
+    def Propose(self, request, context):
+        seq = self._seq(request, context)
+        for i in range(request.gamma):
+            tok = target_next(seq, self.eos_at)
+            if len(seq) % 4 == 0:
+                tok = ord("#")  # disagree now and then
+            seq.append(tok)
+            yield pb.DraftToken(token=tok, timing=pb.ServerTiming(computed_tokens=1) if i == request.gamma - 1 else None)
+
+
+class FakeTarget(FakeService, pb_grpc.TargetServiceServicer):
+    def Verify(self, request, context):
+        seq = self._seq(request, context)
+        n = 0
+        for d in request.draft_tokens:
+            if d != target_next(seq, self.eos_at):
+                break
+            seq.append(d)
+            n += 1
+        nxt = target_next(seq, self.eos_at)
+        seq.append(nxt)
+        return pb.VerifyResponse(accepted=n, next_token=nxt)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(add_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
+
+
+@pytest.fixture
+def fakes():
+    """(draft, target, make_engine): fake services on loopback; make_engine builds
+    a Coordinator engine talking to them."""
+    draft, target = FakeDraft(), FakeTarget()
+    servers, engines = [], []
+    addresses = []
+    for servicer, add in ((draft, pb_grpc.add_DraftServiceServicer_to_server),
+                          (target, pb_grpc.add_TargetServiceServicer_to_server)):
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+        add(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+
+    def make_engine(tokenizer=None, **config):
+        cfg = CoordinatorConfig(draft=addresses[0], target=addresses[1], info_timeout_s=5, call_timeout_s=5, **config)
+        engine = Coordinator(cfg, tokenizer=tokenizer)
+        engines.append(engine)
+        return engine
+
+    yield draft, target, make_engine
+    for e in engines:
+        e.close()
+    for s in servers:
+        s.stop(None)
+
+
+def run(engine, **job) -> tuple[list[int], str, Stats]:
+    ids, text, stats = [], [], None
+    for event in engine.generate(GenerateJob(**job)):
+        if isinstance(event, Delta):
+            ids += event.token_ids
+            text.append(event.text)
+        else:
+            stats = event
+    return ids, "".join(text), stats
+
+
+def expected_tokens(start: int, n: int) -> list[int]:
+    return [TEXT[i % len(TEXT)] for i in range(start, start + n)]
+
+
+# ------------------------------------------------------------------ rounds
+
+
+def test_streams_the_target_text_and_frees_one_shot_sessions(fakes, tokenizer):
+    draft, target, make = fakes
+    engine = make(tokenizer)
+    ids, text, stats = run(engine, prompt="hel", max_new_tokens=20, gamma_policy="static:4")
+    assert ids == expected_tokens(3, 20)
+    assert text == bytes(ids).decode()
+    assert stats.finish_reason == "length" and stats.generated_tokens == 20
+    assert stats.accepted_tokens < stats.drafted_tokens  # the draft disagreed sometimes
+    assert stats.rounds < 20 and stats.session_id == ""
+    assert draft.sessions == {} and target.sessions == {}  # one-shot: ended in both services
+
+
+def test_eos_from_model_info_ends_generation(fakes):
+    draft, target, make = fakes
+    draft.eos_at = target.eos_at = 12
+    ids, _, stats = run(make(), prompt_ids=(104, 101, 108), max_new_tokens=50)
+    assert ids == expected_tokens(3, 9) + [EOS]
+    assert stats.finish_reason == "eos"
+
+
+def test_stop_string_across_rounds_and_the_session_continues_after_it(fakes, tokenizer):
+    draft, target, make = fakes
+    engine = make(tokenizer)
+    ids, text, stats = run(engine, prompt="hel", max_new_tokens=60, stop=("decoding",), session_id="s",
+                           gamma_policy="static:3")
+    full = TEXT.decode()
+    assert stats.finish_reason == "stop"
+    assert text == full[3:full.index("decoding")]
+    # ids run through the token that completed the stop string, not beyond
+    assert bytes(ids).decode().endswith("decoding") and len(ids) == full.index("decoding") + len("decoding") - 3
+    record = engine.directory.get("s")
+    assert record.tokens == list(b"hel") + ids
+    ids2, _, _ = run(engine, prompt_ids=(33,), max_new_tokens=5, session_id="s")
+    assert ids2 == expected_tokens(len(record.tokens) + 1, 5)
+
+
+def test_stop_string_held_back_until_decided(tokenizer):
+    stream = TextStream(tokenizer, stop=["abc"])
+    assert [stream.push(t) for t in b"xxab"] == ["x", "x", "", ""]  # "ab" may start "abc"
+    assert stream.push(ord("d")) == "abd"
+    assert stream.push(ord("a")) == "" and stream.push(ord("b")) == ""
+    assert stream.push(ord("c")) == "" and stream.stopped
+
+
+def test_text_waits_for_whole_utf8_characters(tokenizer):
+    text = "é✓日本 ok"
+    stream = TextStream(tokenizer)
+    out = [stream.push(b) for b in text.encode()] + [stream.finish()]
+    assert "".join(out) == text
+    assert all("\ufffd" not in piece for piece in out)
+    cut = TextStream(tokenizer)
+    assert "".join([cut.push(b) for b in "日".encode()[:2]]) == ""
+    assert cut.finish() == "\ufffd"  # an unfinished character at the very end shows as a full decode would
+
+
+def test_evicted_sessions_are_re_pre_filled_from_the_history(fakes):
+    draft, target, make = fakes
+    engine = make()
+    ids1, _, s1 = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, session_id="e")
+    target.sessions.clear()  # the target evicts the session ...
+    draft.sessions.clear()  # ... and so does the draft
+    target.calls.clear(), draft.calls.clear()
+    ids2, _, s2 = run(engine, prompt_ids=(33, 33), max_new_tokens=10, session_id="e")
+    history = 3 + 10 + 2
+    # the answer is exactly what an uninterrupted session gives
+    assert ids2 == expected_tokens(history, 10)
+    # first a NOT_FOUND at the synced position, then position 0 with the whole history
+    assert target.calls[0][1] > 0 and target.calls[1][1:] == (0, history)
+    assert draft.calls[1][1] == 0 and draft.calls[1][2] >= history - 2
+    assert "e" in target.sessions
+
+
+def test_a_session_lost_twice_in_one_round_is_an_error_not_a_loop(fakes):
+    draft, target, make = fakes
+    engine = make()
+    run(engine, prompt_ids=(104, 101), max_new_tokens=4, session_id="twice", gamma_policy="static:0")
+    target.lose_everything = True  # NOT_FOUND at any position, every time
+    with pytest.raises(errors.SessionNotFound, match="target service"):
+        run(engine, prompt_ids=(33,), max_new_tokens=4, session_id="twice", gamma_policy="static:0")
+    assert [c[1] for c in target.calls[-2:]] == [6, 0]  # one retry from position 0, then the error
+
+
+def test_an_unavailable_blip_is_repeated_once_with_the_same_round_id(fakes):
+    draft, target, make = fakes
+    engine = make()
+    steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=12, gamma_policy="static:3"))
+    next(steps)
+    target.unavailable_once = draft.unavailable_once = True
+    ids = [t for e in steps if isinstance(e, Delta) for t in e.token_ids]
+    assert ids == expected_tokens(3, 12)[-len(ids):]
+    for fake in (draft, target):
+        blip = next(i for i in range(1, len(fake.round_ids)) if fake.round_ids[i] == fake.round_ids[i - 1])
+        assert fake.calls[blip] == fake.calls[blip - 1]  # the very same call again
+
+
+def test_cancelling_ends_the_session_in_both_services(fakes):
+    draft, target, make = fakes
+    engine = make()
+    steps = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=200, session_id="c",
+                                        gamma_policy="static:2"))
+    next(steps), next(steps)
+    assert "c" in draft.sessions and "c" in target.sessions
+    steps.close()
+    assert "c" in draft.ended and "c" in target.ended
+    record = engine.directory.get("c")  # the history stays; both sides re-pre-fill if it continues
+    assert record.draft_synced == record.target_synced == 0 and len(record.tokens) > 1
+    ids, _, _ = run(engine, prompt_ids=(33,), max_new_tokens=3, session_id="c")
+    assert ids == expected_tokens(len(record.tokens) + 1, 3)
+
+
+def test_one_request_per_session_at_a_time(fakes):
+    _, _, make = fakes
+    engine = make()
+    first = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="busy"))
+    next(first)
+    with pytest.raises(errors.FailedPrecondition, match="already generating"):
+        run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="busy")
+    with pytest.raises(errors.FailedPrecondition, match="generating"):
+        engine.close_session("busy")
+    first.close()
+    assert engine.close_session("busy") is True
+    with pytest.raises(errors.SessionNotFound, match="'busy' is unknown"):
+        engine.close_session("busy")
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("vocab", 300, "vocabulary mismatch: draft 'FakeDraft' at 127.0.0.1:"),
+    ("fingerprint", "other", "tokenizer mismatch: draft 'FakeDraft' at 127.0.0.1:"),
+])
+def test_draft_and_target_must_share_the_vocabulary(fakes, field, value, words):
+    draft, _, make = fakes
+    setattr(draft, field, value)
+    with pytest.raises(errors.FailedPrecondition) as exc:
+        run(make(), prompt_ids=(1, 2), max_new_tokens=2)
+    assert words in str(exc.value) and "target 'FakeTarget' at 127.0.0.1:" in str(exc.value)
+
+
+def test_unreachable_service_is_unavailable_naming_it():
+    cfg = CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2", info_timeout_s=0.5)
+    engine = Coordinator(cfg)
+    try:
+        with pytest.raises(errors.Unavailable, match="service at 127.0.0.1:"):
+            run(engine, prompt_ids=(1,), max_new_tokens=2)
+    finally:
+        engine.close()
+
+
+def test_text_prompts_need_a_tokenizer(fakes):
+    _, _, make = fakes
+    with pytest.raises(errors.InvalidRequest, match="no tokenizer"):
+        run(make(), prompt="hello", max_new_tokens=2)
+    with pytest.raises(errors.InvalidRequest, match="no tokenizer"):
+        run(make(), prompt_ids=(1,), stop=("x",), max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_gamma_policies():
+    assert parse_gamma_policy("static:0", 16) == StaticGamma(0)
+    assert parse_gamma_policy(" Static:7 ", 16) == StaticGamma(7)
+    assert isinstance(parse_gamma_policy("heuristic", 16), HeuristicGamma)
+    assert isinstance(parse_gamma_policy("adaptive", 16), AdaptiveGamma)
+    assert parse_gamma_policy("heuristic", 3).gamma_max == 3
+    for bad, words in (("static:17", "gamma must be in [0, 16]"), ("static:-1", "gamma must be in"),
+                       ("static:", "integer"), ("greedy", "not understood")):
+        with pytest.raises(errors.InvalidRequest, match=words.replace("[", r"\[")):
+            parse_gamma_policy(bad, 16)
+
+
+def test_directory_stores_copies():
+    d = InMemoryDirectory()
+    record = SessionRecord("a", tokens=[1, 2], draft_synced=1)
+    d.put(record)
+    record.tokens.append(3)
+    got = d.get("a")
+    assert got.tokens == [1, 2] and got.draft_synced == 1
+    got.tokens.append(9)
+    assert d.get("a").tokens == [1, 2]
+    assert d.delete("a") is True and d.get("a") is None and d.delete("a") is False
+    small = InMemoryDirectory(max_records=2)
+    for sid in ("x", "y", "x", "z"):  # x rewritten after y: y is the least recent
+        small.put(SessionRecord(sid))
+    assert small.get("y") is None and small.get("x") is not None and len(small) == 2
+
+
+def test_coordinator_flags_fall_back_to_the_environment(capsys):
+    import argparse
+
+    from coordinator.server import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    env = {"SPECDEC_COORDINATOR_DRAFT": "d:1", "SPECDEC_GAMMA_MAX": "8", "SPECDEC_COORDINATOR_PORT": "7"}
+    args = parser.parse_args(["--target", "t:2", "--max-new-tokens-cap", "99"])
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    cfg = CoordinatorConfig.load(overrides, environ=env)
+    assert (cfg.draft, cfg.target, cfg.gamma_max, cfg.port, cfg.max_new_tokens_cap) == ("d:1", "t:2", 8, 7, 99)
+    assert config_from_args(parser.parse_args([])).port == 50051  # the real environment sets none
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "SPECDEC_COORDINATOR_DRAFT" in capsys.readouterr().out

@@ -1,0 +1,392 @@
+"""End to end over real loopback sockets: draft, target and coordinator as three
+separate processes (``python -m specdec.cli ...``), driven with specdec.Client.
+
+The processes start once per module (all in parallel); tests that kill or signal
+a process start their own. References come from the in-process decoder on the
+same model directories.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import SamplingParams, SpeculativeDecoder, errors
+from specdec.client import Client, Delta, Stats
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.server import free_port
+from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONTEXT = 1024
+CAP = 900  # the coordinators' --max-new-tokens-cap
+PROMPT = "def fibonacci(n):"
+
+
+class Proc:
+    """One ``specdec`` sub-command in its own process, logging to a file."""
+
+    def __init__(self, name: str, args: list[str], logdir: pathlib.Path):
+        self.name = name
+        self.port = free_port()
+        self.log_path = logdir / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_serving(self, timeout: float = 90) -> "Proc":
+        fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+        with grpc.insecure_channel(self.address, options=fast_reconnect) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + timeout
+            while True:
+                assert self.proc.poll() is None, f"{self.name} died:\n{self.log()}"
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                assert time.time() < deadline, f"{self.name} not SERVING:\n{self.log()}"
+                time.sleep(0.1)
+
+    def model_info(self, role: str) -> pb.ModelInfo:
+        with grpc.insecure_channel(self.address) as ch:
+            stub = (pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub)(ch)
+            return stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def model_service(name, role, model, logdir, *extra):
+    return Proc(name, [f"{role}-service", "--model", str(model), *extra], logdir)
+
+
+def coordinator(name, draft: Proc, target: Proc, tokenizer, logdir, *extra):
+    return Proc(name, ["coordinator", "--draft", draft.address, "--target", target.address,
+                       "--tokenizer", str(tokenizer), "--max-new-tokens-cap", str(CAP), *extra], logdir)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A byte-level-tokenizer target (vocab 260, context 1024) and a draft that is
+    a noisy copy of it (agrees often, not always)."""
+    root = tmp_path_factory.mktemp("e2e-models")
+    target = make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=CONTEXT,
+                             seed=0, logit_scale=4.0)
+    add_byte_tokenizer(target)
+    draft = make_noisy_copy(target, root / "draft", noise=0.05, seed=1)
+    add_byte_tokenizer(draft)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def cluster(models, tmp_path_factory):
+    """Started together, once: D + T + C (most tests); T1 (--max-sessions 1) + C1
+    for eviction, T1 is then killed by the kill test; Cs to receive SIGTERM."""
+    target, draft = models
+    logdir = tmp_path_factory.mktemp("e2e-logs")
+    procs = {}
+    try:
+        procs["D"] = model_service("draft", "draft", draft, logdir)
+        procs["T"] = model_service("target", "target", target, logdir)
+        procs["T1"] = model_service("target1", "target", target, logdir, "--max-sessions", "1")
+        procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir,
+                                 "--max-message-bytes", str(1 << 20))
+        procs["C1"] = coordinator("coordinator1", procs["D"], procs["T1"], target, logdir)
+        procs["Cs"] = coordinator("coordinator-drained", procs["D"], procs["T"], target, logdir,
+                                  "--drain-grace", "30")
+        for p in procs.values():
+            p.wait_serving()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """In-process decoders on the same directories: target-only, and the pair."""
+    target, draft = models
+    return SpeculativeDecoder(target=target), SpeculativeDecoder(target=target, draft=draft)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster["C"].address, timeout=60) as c:
+        yield c
+
+
+def greedy_ref(reference, ids, n):
+    return reference[0].generate(list(ids), max_new_tokens=n, gamma=0).token_ids
+
+
+def prompt_ids(reference, text=PROMPT):
+    return reference[0].tokenizer.encode(text, add_special_tokens=False)
+
+
+# ------------------------------------------------------------------ correctness
+
+
+def test_greedy_output_identical_to_target_only(client, reference):
+    ids = prompt_ids(reference)
+    expected = greedy_ref(reference, ids, 48)
+    for policy in ("heuristic", "static:3", "static:0"):
+        out = client.complete(prompt_ids=ids, max_new_tokens=48, gamma_policy=policy)
+        assert out.token_ids == expected, policy
+        assert out.stats.finish_reason == "length" and out.stats.generated_tokens == 48
+        assert out.stats.prompt_tokens == len(ids)
+        assert sum(out.stats.accepted_per_round) == out.stats.accepted_tokens
+    # speculation actually happened: fewer rounds than tokens
+    assert out.stats.rounds == 48
+    spec = client.complete(prompt_ids=ids, max_new_tokens=48, gamma_policy="heuristic")
+    assert spec.stats.accepted_tokens > 0 and spec.stats.rounds < 48
+    # a text prompt: same ids, and the streamed text is the full decode
+    text = client.complete(PROMPT, max_new_tokens=48)
+    assert text.token_ids == expected
+    assert text.text == reference[0].tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_text_deltas_are_streamed_per_round_and_whole(client, reference):
+    events = list(client.generate(PROMPT, max_new_tokens=40, gamma_policy="static:2"))
+    deltas, stats = events[:-1], events[-1]
+    assert isinstance(stats, Stats) and all(isinstance(d, Delta) for d in deltas)
+    assert len(deltas) >= stats.rounds - 1  # one per round (the text tail may add one)
+    ids = [t for d in deltas for t in d.token_ids]
+    tok = reference[0].tokenizer
+    assert "".join(d.text for d in deltas) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_cuts_before_it(client, reference):
+    ids = prompt_ids(reference)
+    tok = reference[0].tokenizer
+    full = tok.decode(greedy_ref(reference, ids, 60), skip_special_tokens=True)
+    k = next(i for i in range(8, len(full) - 2)
+             if "\ufffd" not in full[i:i + 2] and full.find(full[i:i + 2]) == i)
+    stop = full[k:k + 2]
+    out = client.complete(prompt_ids=ids, max_new_tokens=60, stop=["never-there", stop])
+    assert out.stats.finish_reason == "stop"
+    assert out.text == full[:k]
+
+
+def test_seeded_sampling_reproducible_and_same_as_in_process(client, reference):
+    ids = prompt_ids(reference)
+    kw = dict(prompt_ids=ids, max_new_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    a = client.complete(gamma_policy="static:4", **kw)
+    b = client.complete(gamma_policy="static:4", **kw)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    local = reference[1].generate(ids, max_new_tokens=40, gamma=4,
+                                  sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234))
+    assert a.token_ids == local.token_ids
+    c = client.complete(gamma_policy="static:4", **{**kw, "seed": 99})
+    assert c.token_ids != a.token_ids
+    # a truncated (sparse) draft distribution: still exactly the in-process result
+    sparse = client.complete(gamma_policy="static:4", draft_top_k=8, **kw)
+    local = reference[1].generate(ids, max_new_tokens=40, gamma=4, draft_top_k=8,
+                                  sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234))
+    assert sparse.token_ids == local.token_ids
+
+
+def test_multi_turn_session_prefills_only_the_suffix(client, reference):
+    tok = reference[0].tokenizer
+    p1, p2 = prompt_ids(reference), tok.encode("\n    return", add_special_tokens=False)
+    t1 = client.complete(prompt_ids=p1, max_new_tokens=20, session_id="multi-turn")
+    assert t1.stats.target_prefill_tokens == len(p1) and t1.stats.session_id == "multi-turn"
+    t2 = client.complete(prompt_ids=p2, max_new_tokens=20, session_id="multi-turn")
+    history = p1 + t1.token_ids + p2
+    assert t2.token_ids == greedy_ref(reference, history, 20)
+    # only the new prompt (and the last generated token, never run yet) went through the target
+    assert t2.stats.target_prefill_tokens == len(p2) + 1
+    assert t2.stats.draft_prefill_tokens < len(history) // 2
+    assert client.close_session("multi-turn") is True
+
+
+def test_eviction_and_refill_give_identical_output(cluster, reference):
+    """T1 holds one session: B evicts A, and A's next turn is re-pre-filled from
+    the coordinator's history."""
+    tok = reference[0].tokenizer
+    pa, pb_, p2 = prompt_ids(reference), tok.encode("class A:", add_special_tokens=False), [10, 32, 32]
+    with Client(cluster["C1"].address, timeout=60) as c:
+        a1 = c.complete(prompt_ids=pa, max_new_tokens=16, session_id="evict-A")
+        b1 = c.complete(prompt_ids=pb_, max_new_tokens=16, session_id="evict-B")
+        assert cluster["T1"].model_info("target").active_sessions == 1
+        a2 = c.complete(prompt_ids=p2, max_new_tokens=16, session_id="evict-A")
+        history = pa + a1.token_ids + p2
+        assert a1.token_ids == greedy_ref(reference, pa, 16)
+        assert b1.token_ids == greedy_ref(reference, pb_, 16)
+        assert a2.token_ids == greedy_ref(reference, history, 16)
+        assert a2.stats.target_prefill_tokens >= len(history)  # the whole history again
+        c.close_session("evict-A")
+        c.close_session("evict-B")
+    assert "re-pre-filling" in cluster["C1"].log()
+
+
+def test_eight_concurrent_sessions_all_correct(client, reference):
+    prompts = [prompt_ids(reference, f"def f{i}(x{i}):") for i in range(8)]
+    expected = [greedy_ref(reference, p, 32) for p in prompts]
+    results: dict[int, list[int]] = {}
+
+    def run(i):
+        policy = ("heuristic", "static:2", "static:5", "static:0")[i % 4]
+        session = f"concurrent-{i}" if i % 2 else ""
+        results[i] = client.complete(prompt_ids=prompts[i], max_new_tokens=32,
+                                     gamma_policy=policy, session_id=session).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(8)] == expected
+    for i in range(1, 8, 2):
+        client.close_session(f"concurrent-{i}")
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_client_cancellation_frees_state_in_both_services(cluster, client, reference):
+    d0 = cluster["D"].model_info("draft").active_sessions
+    t0 = cluster["T"].model_info("target").active_sessions
+    stream = client.generate(prompt_ids=prompt_ids(reference), max_new_tokens=CAP - 100,
+                             gamma_policy="static:2")
+    next(stream), next(stream)
+    assert cluster["D"].model_info("draft").active_sessions == d0 + 1
+    assert cluster["T"].model_info("target").active_sessions == t0 + 1
+    stream.close()  # leaving the loop cancels the call
+    _wait_for(lambda: cluster["D"].model_info("draft").active_sessions == d0
+              and cluster["T"].model_info("target").active_sessions == t0)
+
+
+def test_killed_target_gives_a_clear_error_not_a_hang(cluster):
+    """Kills T1 (the eviction test is done with it) while C1 streams from it."""
+    t1 = cluster["T1"]
+    with Client(cluster["C1"].address, timeout=60) as c:
+        stream = c.generate(prompt_ids=[100, 101, 102], max_new_tokens=CAP, gamma_policy="static:0")
+        next(stream)
+        t1.proc.kill()
+        start = time.time()
+        with pytest.raises(errors.Unavailable) as exc:
+            for _ in stream:
+                pass
+        assert time.time() - start < 15
+        assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "target service" in str(exc.value) and t1.address in str(exc.value)
+    assert cluster["C1"].proc.poll() is None  # the coordinator itself is fine
+
+
+def test_sigterm_drains_in_flight_generation(cluster, reference):
+    cs = cluster["Cs"]
+    ids = [100, 101, 102]
+    with Client(cs.address, timeout=60) as c:
+        stream = c.generate(prompt_ids=ids, max_new_tokens=300, gamma_policy="static:0")
+        got = list(next(stream).token_ids)
+        cs.proc.send_signal(signal.SIGTERM)
+        for event in stream:
+            if isinstance(event, Delta):
+                got += event.token_ids
+            else:
+                stats = event
+    assert stats.finish_reason == "length" and got == greedy_ref(reference, ids, 300)
+    assert cs.proc.wait(30) == 0
+    assert "received SIGTERM" in cs.log() and "exited cleanly" in cs.log()
+
+
+# ------------------------------------------------------------------ bad input
+
+BAD_GENERATE = [
+    # (id, generate kwargs, code, words the message must contain)
+    ("empty prompt", dict(prompt=""), "INVALID_ARGUMENT", "prompt is empty"),
+    ("both prompt kinds", dict(prompt="x", prompt_ids=[1]), "INVALID_ARGUMENT", "both prompt and prompt_ids"),
+    ("prompt beyond context", dict(prompt_ids=[5] * CONTEXT), "INVALID_ARGUMENT", "context of 1024"),
+    ("max_new_tokens 0", dict(max_new_tokens=0), "INVALID_ARGUMENT", "max_new_tokens"),
+    ("max_new_tokens above cap", dict(max_new_tokens=CAP + 1), "INVALID_ARGUMENT", f"max_new_tokens must be in [1, {CAP}]"),
+    ("gamma policy unknown", dict(gamma_policy="fast"), "INVALID_ARGUMENT", "gamma_policy 'fast'"),
+    ("gamma policy unparsable", dict(gamma_policy="static:x"), "INVALID_ARGUMENT", "static:N needs an integer"),
+    ("gamma out of range", dict(gamma_policy="static:99"), "INVALID_ARGUMENT", "gamma must be in [0, 16]"),
+    ("negative temperature", dict(temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
+    ("top_p zero", dict(top_p=0.0), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
+    ("top_p above one", dict(top_p=1.5), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
+    ("token id above vocab", dict(prompt_ids=[1, 260]), "INVALID_ARGUMENT", "prompt_ids[1] = 260 is outside the vocabulary"),
+    ("negative token id", dict(prompt_ids=[-3]), "INVALID_ARGUMENT", "outside the vocabulary"),
+    ("empty stop string", dict(stop=[""]), "INVALID_ARGUMENT", "stop strings"),
+    ("draft_top_k above vocab", dict(draft_top_k=1000), "INVALID_ARGUMENT", "draft_top_k"),
+    ("oversized request", dict(prompt="x" * (2 << 20)), "RESOURCE_EXHAUSTED", ""),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,code,words", BAD_GENERATE, ids=[c[0] for c in BAD_GENERATE])
+def test_bad_generate_requests(client, case, kwargs, code, words):
+    request = dict(prompt_ids=[1, 2, 3], max_new_tokens=4)
+    if "prompt" in kwargs:
+        request.pop("prompt_ids")
+    request.update(kwargs)
+    with pytest.raises(errors.SpecdecError) as exc:
+        list(client.generate(**request))
+    assert exc.value.code.name == code, str(exc.value)
+    assert words in str(exc.value)
+
+
+def test_bad_session_calls_and_still_serving(client, cluster):
+    with pytest.raises(errors.SessionNotFound, match="'no-such-session' is unknown"):
+        client.close_session("no-such-session")
+    client.complete(prompt_ids=[1, 2, 3], max_new_tokens=4, session_id="closed-one")
+    assert client.close_session("closed-one") is True
+    with pytest.raises(errors.SessionNotFound, match="closed-one"):
+        client.close_session("closed-one")
+    # after all the bad input above, every service still serves
+    assert client.complete(prompt_ids=[1, 2, 3], max_new_tokens=8).stats.generated_tokens == 8
+    for name in ("D", "T", "C"):
+        assert cluster[name].proc.poll() is None
+    assert "serving specdec.v1.Coordinator on 127.0.0.1" in cluster["C"].log()
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_generate_cli_streams_from_the_coordinator(cluster, reference, capsys):
+    import json
+
+    from specdec.cli import main
+
+    ids = prompt_ids(reference)
+    expected = greedy_ref(reference, ids, 24)
+    address = cluster["C"].address
+    assert main(["generate", "--coordinator", address, "--max-new-tokens", "24", "--json", PROMPT]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["token_ids"] == expected and record["finish_reason"] == "length"
+    assert record["text"] == reference[0].tokenizer.decode(expected)
+    assert main(["generate", "--coordinator", address, "--max-new-tokens", "24", "--session", "cli",
+                 "--gamma-policy", "static:2", PROMPT]) == 0
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == record["text"] and "24 tokens" in out.err and "finish length" in out.err
+    assert main(["generate", "--coordinator", address, "--max-new-tokens", "0", PROMPT]) == 1
+    assert "INVALID_ARGUMENT: max_new_tokens must be in [1, 900], got 0" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""``specdec demo`` end to end: it starts the three services as processes (on
+free loopback ports), streams a completion, measures target-only decoding through
+the same services, prints the summary and stops everything."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.cli import main
+from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo-models")
+    target = add_byte_tokenizer(make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=256,
+                                                seed=3, logit_scale=4.0))
+    draft = add_byte_tokenizer(make_noisy_copy(target, root / "draft", noise=0.05, seed=4))
+    return target, draft
+
+
+def test_demo_streams_a_completion_and_reports_the_speedup(pair, capfd):
+    target, draft = pair
+    assert main(["demo", "--target-model", str(target), "--draft-model", str(draft),
+                 "--max-new-tokens", "32", "--prompt", "def main():\n"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("def main():\n") and len(out) > len("def main():\n")
+    for line in ("serving: coordinator 127.0.0.1:", "acceptance ", "gamma         heuristic: mean",
+                 "speculative ", "target only ", "speedup ", "same output as target-only decoding: yes"):
+        assert line in err, err
+
+
+def test_demo_without_models_says_what_to_do(tmp_path, capsys):
+    assert main(["demo", "--target-model", str(tmp_path), "--draft-model", str(tmp_path)]) == 2
+    assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from specdec.client import Client
+    from specdec.server import free_port
+
+    target, draft = pair
+    ports = [free_port() for _ in range(3)]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "serve", "--target-model", str(target), "--draft-model", str(draft),
+         "--coordinator-port", str(ports[0]), "--draft-port", str(ports[1]), "--target-port", str(ports[2])],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        with Client(f"127.0.0.1:{ports[0]}", timeout=30) as client:
+            client.wait_ready(timeout=120)
+            out = client.complete(prompt_ids=[100, 101], max_new_tokens=8)
+            assert out.stats.generated_tokens == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = (tmp_path / "serve.log").read_text()
+    assert f"specdec serve: coordinator on 127.0.0.1:{ports[0]}" in text
+    assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
+    assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")
