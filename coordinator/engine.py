@@ -27,6 +27,7 @@ from specdec.gamma import GammaPolicy, StaticGamma
 from specdec.model_runner import vocabulary_fingerprint
 from specdec.rounds import SessionState, run_rounds
 from specdec.sampling import SamplingParams
+from specdec.stats import GenerationStats
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
 from coordinator.remote import RemoteProposer, RemoteVerifier, RoundIds, ServiceClient, SideStats
@@ -55,23 +56,6 @@ class GenerateJob:
 class Delta:
     token_ids: list[int]
     text: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    session_id: str
-    finish_reason: str  # "eos" | "length" | "stop"
-    prompt_tokens: int
-    generated_tokens: int
-    rounds: int
-    drafted_tokens: int
-    accepted_tokens: int
-    gammas: list[int]
-    accepted_per_round: list[int]
-    elapsed_s: float
-    tokens_per_second: float
-    target_prefill_tokens: int
-    draft_prefill_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +188,7 @@ class Coordinator:
                 raise errors.InvalidRequest(f"prompt_ids[{i}] = {t} is outside the vocabulary [0, {pair.vocab_size})")
         return ids, policy
 
-    def generate(self, job: GenerateJob) -> Iterator[Delta | Stats]:
+    def generate(self, job: GenerateJob) -> Iterator[Delta | GenerationStats]:
         """Stream one completion: a Delta per round as soon as it commits, then
         Stats. Named sessions continue their history; one-shot sessions are freed
         at the end. Closing the generator early frees the services' state."""
@@ -297,12 +281,17 @@ class Coordinator:
         generated = len(state.tokens) - start_len
         log.info("%s: %d prompt + %d new tokens in %.2f s, %d rounds, accepted %d/%d drafts, finish %s",
                  sid, len(prompt_ids), generated, elapsed, len(gammas), sum(accepted), sum(gammas), finish)
-        yield Stats(
+        yield GenerationStats(
             session_id=job.session_id, finish_reason=finish, prompt_tokens=len(prompt_ids),
             generated_tokens=generated, rounds=len(gammas), drafted_tokens=sum(gammas),
             accepted_tokens=sum(accepted), gammas=gammas, accepted_per_round=accepted,
             elapsed_s=elapsed, tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
             target_prefill_tokens=target_stats.prefill_tokens, draft_prefill_tokens=draft_stats.prefill_tokens,
+            draft_compute_s=draft_stats.compute_s, target_compute_s=target_stats.compute_s,
+            queue_s=draft_stats.queue_s + target_stats.queue_s, copy_s=draft_stats.copy_s + target_stats.copy_s,
+            draft_network_s=draft_stats.network_s, target_network_s=target_stats.network_s,
+            bytes_sent=draft_stats.bytes_sent + target_stats.bytes_sent,
+            bytes_received=draft_stats.bytes_received + target_stats.bytes_received,
         )
 
     @staticmethod

@@ -100,6 +100,26 @@ class SideStats:
     refills: int = 0  # calls repeated from position 0 after NOT_FOUND
     compute_s: float = 0.0
     queue_s: float = 0.0
+    copy_s: float = 0.0
+    waited_s: float = 0.0  # from sending each call to holding its whole reply
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add_call(self, timing: pb.ServerTiming, waited_s: float, sent: int, received: int) -> None:
+        self.calls += 1
+        self.computed_tokens += timing.computed_tokens
+        self.compute_s += timing.compute_s
+        self.queue_s += timing.queue_s
+        self.copy_s += timing.copy_s
+        self.waited_s += waited_s
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+    @property
+    def network_s(self) -> float:
+        """Network + serialisation: what the coordinator waited beyond the
+        service's own time (queue, compute, copies)."""
+        return max(0.0, self.waited_s - self.queue_s - self.compute_s - self.copy_s)
 
 
 @dataclasses.dataclass
@@ -149,16 +169,17 @@ class RemoteProposer:
     ) -> Iterator[DraftToken]:
         retries = _Retries()
         while True:
-            request = pb.ProposeRequest(
-                session_id=self.session_id, round_id=self.ids.next_id, position=position,
-                new_tokens=new_tokens, gamma=gamma, sampling=conv.sampling_to_proto(params),
-                draft_top_k=draft_top_k,
+            request = conv.propose_request(
+                self.session_id, self.ids.next_id, position, new_tokens, gamma, params, draft_top_k
             )
-            yielded = 0
+            yielded = received = 0
+            started = time.perf_counter()
             try:
                 for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s):
-                    if message.HasField("timing"):
-                        self._account(message.timing, gamma, retries.refilled)
+                    received += message.ByteSize()
+                    if message.HasField("timing"):  # the last token: the call is complete
+                        self._account(message.timing, gamma, retries.refilled,
+                                      time.perf_counter() - started, request.ByteSize(), received)
                     yielded += 1
                     yield conv.draft_token_from_proto(message)
                 return
@@ -170,16 +191,14 @@ class RemoteProposer:
                     new_tokens = self.state.tokens[:position] + list(new_tokens)
                     position = self.state.draft_synced = 0
 
-    def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool) -> None:
+    def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool, waited_s: float,
+                 sent: int, received: int) -> None:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
         if s.calls == 0 or refill:
             s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
         s.refills += refill
-        s.calls += 1
-        s.computed_tokens += timing.computed_tokens
-        s.compute_s += timing.compute_s
-        s.queue_s += timing.queue_s
+        s.add_call(timing, waited_s, sent, received)
 
 
 class RemoteVerifier:
@@ -191,17 +210,13 @@ class RemoteVerifier:
     def verify(
         self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
     ) -> Verdict:
-        sampling = conv.sampling_to_proto(params)
-        draft_q = [] if params.greedy else [conv.dist_to_proto(d.q) for d in drafts]
         retries = _Retries()
         while True:
-            request = pb.VerifyRequest(
-                session_id=self.session_id, round_id=self.ids.next_id, position=position,
-                new_tokens=new_tokens, draft_tokens=[d.token for d in drafts], draft_q=draft_q,
-                sampling=sampling,
-            )
+            request = conv.verify_request(self.session_id, self.ids.next_id, position, new_tokens, drafts, params)
+            started = time.perf_counter()
             try:
                 response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s)
+                waited = time.perf_counter() - started
                 break
             except grpc.RpcError as e:
                 action = retries.after(e, position, self.client, self.session_id)
@@ -214,9 +229,6 @@ class RemoteVerifier:
         if s.calls == 0 or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.refills += retries.refilled
-        s.calls += 1
-        s.computed_tokens += response.timing.computed_tokens
-        s.compute_s += response.timing.compute_s
-        s.queue_s += response.timing.queue_s
+        s.add_call(response.timing, waited, request.ByteSize(), response.ByteSize())
         self.ids.next_id += 1  # Verify ends the round
         return Verdict(accepted=response.accepted, next_token=response.next_token)

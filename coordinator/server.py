@@ -20,6 +20,7 @@ import pathlib
 from specdec.config import CoordinatorConfig, env_names
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.server import COORDINATOR_SERVICE, GrpcServer, serve_until_signal, setup_logging
+from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight Generate streams may take to finish",
         type=float, metavar="SECONDS")
     add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_telemetry_arguments(parser, "coordinator")
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -83,6 +85,7 @@ class RunningCoordinator:
     engine: "object"
     executor: concurrent.futures.ThreadPoolExecutor
     port: int
+    telemetry: ServiceTelemetry | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
@@ -91,11 +94,14 @@ class RunningCoordinator:
             await self.server.drain(grace_s)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
 
-async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
+async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemetry | None = None) -> RunningCoordinator:
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
-    pair that is not up yet is checked again at the first request)."""
+    pair that is not up yet is checked again at the first request). ``telemetry``
+    adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
     from specdec.model_runner import load_tokenizer
 
     from coordinator.engine import Coordinator
@@ -105,9 +111,11 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tokenizer is None:
         log.warning("no tokenizer (give --tokenizer DIR): only prompt_ids requests work, deltas carry no text")
-    engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None)
+    engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None,
+                         metrics=telemetry.metrics if telemetry else None)
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
-    server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes)
+    server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
+                        interceptors=telemetry.server_interceptors() if telemetry else ())
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(engine, executor), server.server)
     port = server.bind(config.host, config.port)
     await server.start()
@@ -120,15 +128,18 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
 
     # In the background: the services may still be loading their models.
     asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
-    return RunningCoordinator(server, engine, executor, port)
+    if telemetry is not None:
+        telemetry.serve_metrics(config.host)
+    return RunningCoordinator(server, engine, executor, port, telemetry)
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     setup_logging(config.log_level)
+    telemetry = setup_from_args(args, "coordinator")
 
     async def main() -> None:
-        coordinator = await start_coordinator(config)
+        coordinator = await start_coordinator(config, telemetry)
         try:
             await serve_until_signal(coordinator.server, config.drain_grace_s)
         finally:

@@ -18,7 +18,8 @@ import logging
 from specdec import proto_convert as conv
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 
-from coordinator.engine import Coordinator, Delta, GenerateJob, Stats
+from coordinator.engine import Coordinator, Delta, GenerateJob
+from specdec.stats import GenerationStats
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -38,17 +39,10 @@ def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
     )
 
 
-def event_to_proto(event: Delta | Stats) -> pb.GenerateResponse:
+def event_to_proto(event: Delta | GenerationStats) -> pb.GenerateResponse:
     if isinstance(event, Delta):
         return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text))
-    return pb.GenerateResponse(stats=pb.GenerationStats(
-        session_id=event.session_id, finish_reason=event.finish_reason,
-        prompt_tokens=event.prompt_tokens, generated_tokens=event.generated_tokens,
-        rounds=event.rounds, drafted_tokens=event.drafted_tokens, accepted_tokens=event.accepted_tokens,
-        gammas=event.gammas, accepted_per_round=event.accepted_per_round,
-        elapsed_s=event.elapsed_s, tokens_per_second=event.tokens_per_second,
-        target_prefill_tokens=event.target_prefill_tokens, draft_prefill_tokens=event.draft_prefill_tokens,
-    ))
+    return pb.GenerateResponse(stats=conv.stats_to_proto(event))
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

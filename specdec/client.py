@@ -26,8 +26,9 @@ from typing import Iterable, Iterator
 
 import grpc
 
-from specdec import errors
+from specdec import errors, proto_convert
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.stats import GenerationStats
 
 DEFAULT_ADDRESS = "localhost:50051"
 
@@ -41,38 +42,8 @@ class Delta:
     text: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    """The end of a stream: why it finished and what it cost."""
-
-    session_id: str
-    finish_reason: str  # "eos" | "length" | "stop"
-    prompt_tokens: int
-    generated_tokens: int
-    rounds: int
-    drafted_tokens: int
-    accepted_tokens: int
-    gammas: list[int]
-    accepted_per_round: list[int]
-    elapsed_s: float
-    tokens_per_second: float
-    target_prefill_tokens: int  # history tokens the target (re-)ran for this request
-    draft_prefill_tokens: int
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_gamma(self) -> float:
-        return sum(self.gammas) / len(self.gammas) if self.gammas else 0.0
-
-    @classmethod
-    def from_proto(cls, msg: pb.GenerationStats) -> "Stats":
-        values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
-        values["gammas"] = list(msg.gammas)
-        values["accepted_per_round"] = list(msg.accepted_per_round)
-        return cls(**values)
+# The final event of a stream (the coordinator fills the same dataclass).
+Stats = GenerationStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +107,7 @@ class Client:
                 if message.HasField("delta"):
                     yield Delta(list(message.delta.token_ids), message.delta.text)
                 else:
-                    yield Stats.from_proto(message.stats)
+                    yield proto_convert.stats_from_proto(message.stats)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
         finally:

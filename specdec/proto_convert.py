@@ -17,6 +17,7 @@ a message naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import numpy as np
@@ -26,6 +27,7 @@ from specdec.errors import InvalidRequest
 from specdec.proto import specdec_pb2 as pb
 from specdec.rounds import DraftToken, Distribution
 from specdec.sampling import SamplingParams, SparseDist
+from specdec.stats import GenerationStats
 from specdec.timing import ServerTiming
 from specdec.verification import Verdict
 
@@ -192,3 +194,17 @@ def verify_request(
                 raise ValueError(f"draft token {d.token} has no q; sampling needs one per draft")
             msg.draft_q.append(dist_to_proto(d.q))
     return msg
+
+
+# ------------------------------------------------------------------ generation stats
+
+
+def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
+    return pb.GenerationStats(**dataclasses.asdict(stats))
+
+
+def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(GenerationStats)}
+    values["gammas"] = list(msg.gammas)
+    values["accepted_per_round"] = list(msg.accepted_per_round)
+    return GenerationStats(**values)

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from coordinator.directory import InMemoryDirectory, SessionRecord
-from coordinator.engine import Coordinator, Delta, GenerateJob, Stats, parse_gamma_policy
+from coordinator.engine import Coordinator, Delta, GenerateJob, parse_gamma_policy
+from specdec.stats import GenerationStats as Stats
 from coordinator.text import TextStream
 from specdec import errors
 from specdec.config import CoordinatorConfig

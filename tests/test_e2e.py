@@ -168,6 +168,21 @@ def test_greedy_output_identical_to_target_only(client, reference):
     assert text.text == reference[0].tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_stats_split_round_time_and_count_bytes(client, reference):
+    ids = prompt_ids(reference)
+    greedy = client.complete(prompt_ids=ids, max_new_tokens=32, gamma_policy="static:3").stats
+    sampled = client.complete(prompt_ids=ids, max_new_tokens=32, gamma_policy="static:3",
+                              temperature=1.0, seed=5).stats
+    for s in (greedy, sampled):
+        assert s.draft_compute_s > 0 and s.target_compute_s > 0
+        assert s.draft_network_s >= 0 and s.target_network_s >= 0
+        assert s.draft_compute_s + s.target_compute_s + s.network_s <= s.elapsed_s
+        assert s.bytes_sent > 0 and s.bytes_received > 0
+    # Sampling ships each draft's q (dense: vocab × 4 bytes) to the target and back.
+    vocab = reference[0].target.vocab_size
+    assert sampled.bytes_per_round > greedy.bytes_per_round + vocab * 4
+
+
 def test_text_deltas_are_streamed_per_round_and_whole(client, reference):
     events = list(client.generate(PROMPT, max_new_tokens=40, gamma_policy="static:2"))
     deltas, stats = events[:-1], events[-1]
