@@ -11,6 +11,7 @@ session's state in both services.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -23,10 +24,11 @@ from typing import Iterator
 from specdec import errors
 from specdec.config import CoordinatorConfig
 from specdec import gamma as gamma_policies
-from specdec.gamma import GammaPolicy, StaticGamma
+from specdec.gamma import AdaptiveGamma, GammaPolicy, StaticGamma
 from specdec.model_runner import vocabulary_fingerprint
 from specdec.rounds import SessionState, run_rounds
 from specdec.sampling import SamplingParams
+from specdec.telemetry import RoundObserver, observe_generation
 from specdec.stats import GenerationStats
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
@@ -82,17 +84,20 @@ class Coordinator:
     """Drives sessions between one draft service and one target service."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer=None, directory: SessionDirectory | None = None,
-                 tokenizer_dir: str | os.PathLike | None = None):
+                 tokenizer_dir: str | os.PathLike | None = None, metrics=None):
         self.config = config
+        self.metrics = metrics  # a specdec.metrics.CoordinatorMetrics, or None
+        self.observer = RoundObserver(metrics)
         self.tokenizer = tokenizer
         self.tokenizer_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None
         self.directory: SessionDirectory = directory or InMemoryDirectory(config.max_sessions)
-        timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s)
+        timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s, metrics=metrics)
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
         self._pair: PairInfo | None = None
         self._busy: set[str] = set()
         self._lock = threading.Lock()
+        self._learned_adaptive: AdaptiveGamma | None = None
 
     # ------------------------------------------------------------- the pair
 
@@ -124,6 +129,23 @@ class Coordinator:
             )
             log.info("model pair: %s + %s (vocab %d, context %d)", where[0], where[1], t.vocab_size, self._pair.context)
         return self._pair
+
+    # ------------------------------------------------------------- γ policies
+
+    def _warm_start(self, policy: GammaPolicy) -> GammaPolicy:
+        """An adaptive policy starts from the estimates the last finished adaptive
+        request ended with: round costs and acceptance belong to the deployment
+        (network, devices, model pair), so a new request need not learn them again."""
+        with self._lock:
+            learned = self._learned_adaptive
+        if isinstance(policy, AdaptiveGamma) and learned is not None and learned.gamma_max == policy.gamma_max:
+            return copy.deepcopy(learned)
+        return policy
+
+    def _remember(self, policy: GammaPolicy) -> None:
+        if isinstance(policy, AdaptiveGamma):
+            with self._lock:
+                self._learned_adaptive = policy
 
     # ------------------------------------------------------------- sessions
 
@@ -195,6 +217,7 @@ class Coordinator:
         started = time.perf_counter()
         pair = self.pair()
         prompt_ids, policy = self.validate(job, pair)
+        policy = self._warm_start(policy)
         named = bool(job.session_id)
         sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
         self._claim(sid)
@@ -209,7 +232,13 @@ class Coordinator:
                 )
             params = job.sampling.with_seed()
             state = SessionState(tokens=tokens, draft_synced=record.draft_synced, target_synced=record.target_synced)
-            yield from self._run(job, sid, named, record, state, prompt_ids, params, policy, pair, started)
+            events = self._run(job, sid, named, record, state, prompt_ids, params, policy, pair, started)
+            yield from observe_generation(
+                events, metrics=self.metrics, model=pair.target_name, max_tokens=job.max_new_tokens,
+                temperature=params.temperature, input_tokens=len(prompt_ids), conversation_id=sid,
+                extra={"specdec.draft.model": pair.draft_name, "specdec.gamma_policy": job.gamma_policy
+                       or self.config.default_gamma_policy},
+            )
         finally:
             self._release(sid)
 
@@ -228,6 +257,7 @@ class Coordinator:
             proposer, verifier, state,
             max_new_tokens=job.max_new_tokens, params=params, gamma_policy=policy,
             eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context, draft_top_k=job.draft_top_k,
+            observer=self.observer,
         )
         done = False
         try:
@@ -252,6 +282,7 @@ class Coordinator:
                 if tail:
                     yield Delta([], tail)
             done = True
+            self._remember(policy)
         finally:
             rounds.close()
             elapsed = time.perf_counter() - started

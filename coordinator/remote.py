@@ -21,6 +21,7 @@ from typing import Iterator
 import grpc
 
 from specdec import errors, proto_convert as conv
+from specdec.telemetry import instrument_client_channel
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.rounds import DraftToken, SessionState
 from specdec.sampling import SamplingParams
@@ -43,22 +44,30 @@ CHANNEL_OPTIONS = [
 class ServiceClient:
     """One draft or target service: channel, stub, deadlines, error translation."""
 
-    def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float):
+    def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float, metrics=None):
         self.role = role  # "draft" | "target"
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.info_timeout_s = info_timeout_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub
-        self.stub = stub_cls(self.channel)
+        # Traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
+        self.stub = stub_cls(instrument_client_channel(self.channel, role, metrics))
 
     def model_info(self) -> pb.ModelInfo:
-        try:
-            # wait_for_ready: a service that is still starting gets until the deadline.
-            # (Round calls do not wait: a dead service must fail them at once.)
-            return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.info_timeout_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise self.translate(e, "GetModelInfo") from None
+        """A service that is still starting (not listening yet, or loading its
+        model and answering UNAVAILABLE) gets until the deadline. Round calls do
+        not wait: a dead service must fail them at once."""
+        deadline = time.monotonic() + self.info_timeout_s
+        while True:
+            try:
+                return self.stub.GetModelInfo(
+                    pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
+                )
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 > deadline:
+                    raise self.translate(e, "GetModelInfo") from None
+                time.sleep(0.2)
 
     def end_session(self, session_id: str) -> bool:
         """Free the session's state in the service; best effort (a dead service

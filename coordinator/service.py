@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 
 from specdec import proto_convert as conv
@@ -54,11 +55,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         job = job_from_proto(request)
         loop = asyncio.get_running_loop()
         steps = self.engine.generate(job)
+        # Every step runs in this call's context, so the round loop's spans are
+        # children of this call's server span (a worker thread has its own context).
+        context = contextvars.copy_context()
         step = None
         finished = False
         try:
             while True:
-                step = self.executor.submit(next, steps, _END)
+                step = self.executor.submit(context.run, next, steps, _END)
                 # shield: a cancellation must not abandon the step running on the thread
                 event = await asyncio.shield(asyncio.wrap_future(step))
                 if event is _END:
@@ -67,7 +71,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield event_to_proto(event)
         finally:
             if not finished:  # cancelled, or the stream failed: free the services' state
-                cleanup = loop.run_in_executor(self.executor, _close_after, step, steps)
+                cleanup = loop.run_in_executor(self.executor, _close_after, step, steps, context)
                 try:
                     await asyncio.shield(cleanup)
                 except asyncio.CancelledError:
@@ -80,9 +84,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.CloseSessionResponse(existed=existed)
 
 
-def _close_after(step: concurrent.futures.Future | None, steps) -> None:
+def _close_after(step: concurrent.futures.Future | None, steps, context: contextvars.Context) -> None:
     """Wait for the step in flight, then close the generator: its cleanup ends the
-    session in both services (a generator cannot be closed while it runs)."""
+    session in both services (a generator cannot be closed while it runs). It
+    closes in the steps' context, which the step in flight still holds until then."""
     if step is not None:
         concurrent.futures.wait([step])
-    steps.close()
+    context.run(steps.close)

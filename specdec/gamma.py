@@ -142,6 +142,9 @@ class AdaptiveGamma:
     * verify time as a linear function of γ (decayed least squares; the fixed
       part holds the round trip to the target).
 
+    Rounds that began with a pre-fill (a new prompt, or a side catching up after
+    γ = 0 rounds) teach acceptance but not cost.
+
     γ = 0 (plain target decoding) is chosen when speculation does not pay; one
     round in ``probe_every`` then still drafts a token, so that a change in
     acceptance or cost is noticed.
@@ -205,6 +208,8 @@ class AdaptiveGamma:
             self._tried[i] += 1
             if i < n:
                 self._accepted[i] += 1
+        if result.caught_up:
+            return  # the round's time went mostly into pre-fill: not what a round costs
         self._verify.add(g, result.verify_s)
         if g:
             per_token = self._draft_per_token

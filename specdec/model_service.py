@@ -33,6 +33,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.sampling import SamplingParams, SparseDist
 from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
 from specdec.sessions import SessionStore
+from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 from specdec.timing import ServerTiming
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight calls may take to finish",
         type=float, metavar="SECONDS")
     add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_telemetry_arguments(parser, role)
 
 
 def config_from_args(args: argparse.Namespace, role: str) -> ServiceConfig:
@@ -271,6 +273,7 @@ class RunningService:
     server: GrpcServer
     host: ModelHost
     port: int
+    telemetry: ServiceTelemetry | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         self.host.draining = True
@@ -279,6 +282,8 @@ class RunningService:
         else:
             await self.server.drain(grace_s)
         self.host.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
 
 async def start_model_service(
@@ -287,12 +292,15 @@ async def start_model_service(
     *,
     runner: ModelRunner | None = None,
     wait_loaded: bool = True,
+    telemetry: ServiceTelemetry | None = None,
 ) -> tuple[RunningService, asyncio.Task]:
     """Listen first (health NOT_SERVING), load the model off the event loop, then
     report SERVING. Returns the service and the loading task (already finished
-    when ``wait_loaded``). ``runner`` skips loading (an already-loaded model)."""
+    when ``wait_loaded``). ``runner`` skips loading (an already-loaded model).
+    ``telemetry`` adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
     host = ModelHost(config)
-    server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes)
+    server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
+                        interceptors=telemetry.server_interceptors() if telemetry else ())
     add_servicer(host, server.server)
     port = server.bind(config.host, config.port)
     await server.start()
@@ -311,23 +319,26 @@ async def start_model_service(
         log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
                  config.role, r.path, r.vocab_size, r.max_context, config.dtype, r.device, config.host, port)
 
+    if telemetry is not None:
+        telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
     task = asyncio.ensure_future(load())
     if wait_loaded:
         await task
-    return RunningService(server, host, port), task
+    return RunningService(server, host, port, telemetry), task
 
 
 def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[ModelHost, Any], None]) -> int:
     """``specdec draft-service`` / ``target-service``: serve until SIGTERM, drain, exit 0."""
     config = config_from_args(args, role)
     setup_logging(config.log_level)
+    telemetry = setup_from_args(args, role)
     model = pathlib.Path(config.model_path())
     if not (model / "config.json").is_file():  # fail before listening, with a hint
         hint = "" if config.model else f" (the bundled {role} model is missing: pass --model DIR)"
         raise ValueError(f"{model} is not a model directory (no config.json){hint}")
 
     async def main() -> int:
-        service, loading = await start_model_service(config, add_servicer, wait_loaded=False)
+        service, loading = await start_model_service(config, add_servicer, wait_loaded=False, telemetry=telemetry)
         try:
             # A signal during loading drains too; a failed load ends the process.
             await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading))

@@ -20,6 +20,7 @@ back to the position and appends them. After a round with n of γ drafts accepte
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Iterator, Protocol
 
@@ -27,6 +28,7 @@ import torch
 
 from specdec.gamma import GammaPolicy
 from specdec.sampling import SamplingParams, SparseDist
+from specdec.telemetry import TRACE_ONLY, RoundObserver
 from specdec.verification import Verdict
 
 
@@ -71,6 +73,7 @@ class RoundResult:
     verify_s: float
     finish_reason: str | None  # "eos" | "length" | None while generating
     draft_first_s: float | None = None  # until the first draft arrived (the rest is per-token drafting)
+    caught_up: int = 0  # history tokens a side had to run first (pre-fill, or catching up after γ = 0)
 
 
 def dense_rows(qs: list[Distribution], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -95,40 +98,48 @@ def run_rounds(
     eos_token_ids: set[int],
     context_limit: int,
     draft_top_k: int = 0,
+    observer: RoundObserver = TRACE_ONLY,
 ) -> Iterator[RoundResult]:
     """Generate after ``state.tokens`` (which already ends with the prompt) until
     ``max_new_tokens``, an EOS token, or the context limit; one result per round.
 
-    ``params.seed`` must be set: both sides derive their randomness from it."""
+    ``params.seed`` must be set: both sides derive their randomness from it.
+    ``observer`` sees every round (a span per round when tracing is on; the
+    coordinator's adds metrics)."""
     generated = 0
-    while True:
+    for index in itertools.count():
         room = min(max_new_tokens - generated, context_limit - len(state.tokens))
         if room <= 0:
             return
         # The last token of a round always comes from the target, so γ ≤ room - 1.
         gamma = 0 if proposer is None else max(0, min(gamma_policy.choose(), room - 1))
 
-        t0 = time.perf_counter()
-        drafts: list[DraftToken] = []
-        first = None
-        if gamma:
-            stream = proposer.propose(state.draft_synced, state.tokens[state.draft_synced:], gamma, params, draft_top_k)
-            for draft in stream:
-                drafts.append(draft)
-                first = first or time.perf_counter() - t0
-        t1 = time.perf_counter()
-        verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params)
-        t2 = time.perf_counter()
+        # Normally each side lacks just the last round's token; more is pre-fill.
+        behind = len(state.tokens) - min(state.target_synced, state.draft_synced if gamma else len(state.tokens))
+        with observer.round(index) as observed:
+            t0 = time.perf_counter()
+            drafts: list[DraftToken] = []
+            first = None
+            if gamma:
+                stream = proposer.propose(state.draft_synced, state.tokens[state.draft_synced:], gamma, params,
+                                          draft_top_k)
+                for draft in stream:
+                    drafts.append(draft)
+                    first = first or time.perf_counter() - t0
+            t1 = time.perf_counter()
+            verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params)
+            t2 = time.perf_counter()
 
-        base = len(state.tokens)
-        new = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token]
-        new, finish = _cut(new, eos_token_ids, max_new_tokens - generated, room)
-        state.tokens.extend(new)
-        generated += len(new)
-        if gamma:
-            state.draft_synced = min(base + verdict.accepted, len(state.tokens))
-        state.target_synced = len(state.tokens)
-        result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first)
+            base = len(state.tokens)
+            new = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token]
+            new, finish = _cut(new, eos_token_ids, max_new_tokens - generated, room)
+            state.tokens.extend(new)
+            generated += len(new)
+            if gamma:
+                state.draft_synced = min(base + verdict.accepted, len(state.tokens))
+            state.target_synced = len(state.tokens)
+            result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first, max(0, behind - 1))
+            observed.done(result)
         gamma_policy.observe(result)
         yield result
         if finish:

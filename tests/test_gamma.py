@@ -102,3 +102,12 @@ def test_zero_cost_estimates_do_not_divide_by_zero():
     policy = AdaptiveGamma(gamma_max=4)
     policy.observe(RoundResult([1], 1, 0, 0.0, 0.0, None, 0.0))
     assert policy.choose() in range(5)
+
+
+def test_prefill_rounds_do_not_count_as_round_cost():
+    policy = AdaptiveGamma(gamma_max=8)
+    policy.observe(RoundResult([1] * 5, 4, 4, 0.5, 0.9, None, 0.45, caught_up=300))  # a long pre-fill
+    assert policy.cost() is None  # nothing learned about cost yet
+    policy.observe(RoundResult([1] * 5, 4, 4, 0.004, 0.006, None, 0.001))
+    cost = policy.cost()
+    assert cost.verify_fixed == pytest.approx(0.006) and cost.draft_per_token == pytest.approx(0.001)

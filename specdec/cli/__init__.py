@@ -24,7 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-models": ("specdec.train_models", "train the bundled target/draft model pair"),
     "eval-pair": ("specdec.eval_pair", "measure a model pair: latency, held-out loss, acceptance"),
     "netem": ("specdec.netem", "TCP proxy adding latency and a bandwidth cap (network emulation)"),
+    "bench": ("specdec.bench", "benchmark against target-only and HF assisted generation, in-process and distributed"),
     "bench-overhead": ("specdec.cli.bench_overhead", "measure the decoder's per-round overhead"),
+    "trace-report": ("specdec.cli.trace_report", "per-round time breakdown (and PNG) from --trace-file traces"),
+    "bench-tracing": ("specdec.cli.bench_tracing", "tokens/s with tracing exporting vs off, side by side"),
 }
 
 

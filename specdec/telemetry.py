@@ -1,0 +1,470 @@
+"""Telemetry glue: where the round, the RPCs and the services meet traces
+(:mod:`specdec.tracing`) and metrics (:mod:`specdec.metrics`).
+
+Four pieces, so that servicers and the round loop carry no instrumentation code
+of their own:
+
+* :class:`RoundObserver` — ``run_rounds`` wraps each round in ``observer.round()``:
+  a span per round (γ, accepted, bytes, the time split) and the coordinator's
+  per-round metrics.
+* :class:`RpcTimingInterceptor` — on the coordinator's channels to the draft and
+  target: times each Propose/Verify as the client saw it, reads the
+  ``ServerTiming`` in the reply, and records network + serialisation = observed −
+  (queue + compute + copy) on the RPC's client span and on the current round.
+* :class:`ServerObserver` — on every service: annotates the SERVER span with the
+  reply's ``ServerTiming``, counts model work, latency and errors by gRPC code.
+* :class:`ServiceTelemetry` — the ``--trace-file`` / ``--metrics-port`` flags and
+  what a service process starts from them.
+
+Everything degrades to (almost) nothing: with tracing off and no metrics port,
+the interceptors are not installed and ``observer.round()`` hands back a shared
+no-op scope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import contextvars
+import dataclasses
+import os
+import time
+from typing import Iterator, Mapping
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from specdec import tracing
+from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, RpcMetrics, ServiceMetrics
+
+SIDES = ("draft", "target")
+
+
+# ====================================================================== per-RPC timing
+
+
+@dataclasses.dataclass
+class RpcRecord:
+    """One Propose or Verify as the coordinator saw it, with the server's own account."""
+
+    side: str  # "draft" | "target"
+    observed_s: float  # call start to last response, at the client
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    copy_s: float = 0.0
+    computed_tokens: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+    @property
+    def server_s(self) -> float:
+        return self.queue_s + self.compute_s + self.copy_s
+
+    @property
+    def network_s(self) -> float:
+        """Network + serialisation: what the client waited beyond the server's work
+        (clamped at 0: the two clocks are read at slightly different moments)."""
+        return max(0.0, self.observed_s - self.server_s)
+
+
+_CURRENT_ROUND: contextvars.ContextVar["RoundScope | None"] = contextvars.ContextVar("specdec_round", default=None)
+
+
+class RpcTimingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Client interceptor for the coordinator's channel to one side ("draft" or
+    "target"). Only calls whose replies carry a ``timing`` field are recorded."""
+
+    def __init__(self, side: str, metrics: CoordinatorMetrics | None = None):
+        self.side, self.metrics = side, metrics
+
+    def intercept_unary_unary(self, continuation, call_details, request):
+        start, span, scope = time.perf_counter(), trace.get_current_span(), _CURRENT_ROUND.get()
+        outcome = continuation(call_details, request)
+        if isinstance(outcome, grpc.RpcError):  # failed: nothing to split
+            return outcome
+
+        def done(future):
+            try:
+                response = future.result()
+            except Exception:  # noqa: BLE001 -- the caller sees the error itself
+                return
+            if _has_timing(response):
+                self._record(span, scope, time.perf_counter() - start, request.ByteSize(),
+                             response.ByteSize(), response.timing)
+
+        outcome.add_done_callback(done)  # at once for blocking calls
+        return outcome
+
+    def intercept_unary_stream(self, continuation, call_details, request):
+        start, span, scope = time.perf_counter(), trace.get_current_span(), _CURRENT_ROUND.get()
+        return self._timed(continuation(call_details, request), start, span, scope, request.ByteSize())
+
+    def _timed(self, responses, start, span, scope, bytes_out) -> Iterator:
+        bytes_in, timing = 0, None
+        for message in responses:
+            bytes_in += message.ByteSize()
+            if _has_timing(message):
+                timing = message.timing
+            yield message
+        if timing is not None:  # the stream completed with the server's account
+            self._record(span, scope, time.perf_counter() - start, bytes_out, bytes_in, timing)
+
+    def _record(self, span, scope, observed_s, bytes_out, bytes_in, timing) -> None:
+        rec = RpcRecord(self.side, observed_s, timing.queue_s, timing.compute_s, timing.copy_s,
+                        timing.computed_tokens, bytes_out, bytes_in)
+        if span.is_recording():
+            span.set_attributes({
+                "specdec.server.queue_s": rec.queue_s,
+                "specdec.server.compute_s": rec.compute_s,
+                "specdec.server.copy_s": rec.copy_s,
+                "specdec.server.computed_tokens": rec.computed_tokens,
+                "specdec.observed_s": rec.observed_s,
+                "specdec.network_s": rec.network_s,
+                "specdec.bytes_out": bytes_out,
+                "specdec.bytes_in": bytes_in,
+            })
+        if scope is not None:
+            scope.calls.append(rec)
+        if self.metrics is not None:
+            self.metrics.observe_call(self.side, rec.network_s, bytes_out, bytes_in)
+
+
+def _has_timing(message) -> bool:
+    try:
+        return message.HasField("timing")
+    except ValueError:  # the message type has no such field
+        return False
+
+
+def instrument_client_channel(channel: grpc.Channel, side: str, metrics: CoordinatorMetrics | None = None):
+    """The coordinator's channel to ``side``, traced and timed (unchanged when
+    tracing is off and there are no metrics). Close the raw channel, not this."""
+    if not tracing.enabled() and metrics is None:
+        return channel
+    return tracing.instrument_channel(channel, RpcTimingInterceptor(side, metrics))
+
+
+# ====================================================================== rounds
+
+
+class RoundScope:
+    """One round in progress: its span, the RPCs made inside it, and its start."""
+
+    __slots__ = ("index", "span", "calls", "start", "_observer")
+
+    def __init__(self, observer: "RoundObserver", index: int, span):
+        self._observer, self.index, self.span = observer, index, span
+        self.calls: list[RpcRecord] = []
+        self.start = time.perf_counter()
+
+    def done(self, result) -> None:
+        """The round's :class:`specdec.rounds.RoundResult`: annotate and count it."""
+        wall = time.perf_counter() - self.start
+        phases = round_phases(result, self.calls, wall)
+        if self.span.is_recording():
+            self.span.set_attributes(round_attributes(self.index, result, self.calls, phases, wall))
+        metrics = self._observer.metrics
+        if metrics is not None:
+            metrics.observe_round(gamma=result.gamma, accepted=result.accepted, tokens=len(result.tokens),
+                                  wall_s=wall, phases=phases)
+
+
+class _NullScope:
+    calls: tuple = ()  # nothing records into it (the RPC interceptor is not installed)
+
+    def done(self, result) -> None:
+        pass
+
+
+_NULL_SCOPE = _NullScope()
+
+
+class RoundObserver:
+    """What ``run_rounds`` reports each round to. Without metrics it only traces
+    (the in-process decoder's default); with tracing off as well it does nothing."""
+
+    def __init__(self, metrics: CoordinatorMetrics | None = None):
+        self.metrics = metrics
+
+    @contextlib.contextmanager
+    def round(self, index: int) -> Iterator[RoundScope | _NullScope]:
+        traced = tracing.enabled()
+        if not traced and self.metrics is None:
+            yield _NULL_SCOPE
+            return
+        span_cm = tracing.tracer().start_as_current_span("specdec.round") if traced else \
+            contextlib.nullcontext(trace.INVALID_SPAN)
+        with span_cm as span:
+            scope = RoundScope(self, index, span)
+            token = _CURRENT_ROUND.set(scope)
+            try:
+                yield scope
+            finally:
+                _CURRENT_ROUND.reset(token)
+
+
+TRACE_ONLY = RoundObserver()
+
+
+def round_phases(result, calls: list[RpcRecord], wall_s: float) -> dict[str, float]:
+    """Split a round into the disjoint phases of :data:`specdec.metrics.ROUND_PHASES`.
+
+    A side with recorded RPCs is split into its server's compute, queue and copy
+    times and the network remainder; a side without (the in-process decoder) is
+    all compute. The coordinator phase is what is left of the round's wall time."""
+    phases = dict.fromkeys(ROUND_PHASES, 0.0)
+    observed = {"draft": result.draft_s, "target": result.verify_s}
+    for side in SIDES:
+        mine = [c for c in calls if c.side == side]
+        if not mine:
+            phases[side] += observed[side]
+            continue
+        for c in mine:
+            phases[side] += c.compute_s
+            phases["queue"] += c.queue_s
+            phases["copy"] += c.copy_s
+            phases["network"] += c.network_s
+    phases["coordinator"] = max(0.0, wall_s - sum(phases.values()))
+    return phases
+
+
+def round_attributes(index: int, result, calls: list[RpcRecord], phases: Mapping[str, float],
+                     wall_s: float) -> dict:
+    """The round span's attributes (what ``specdec trace-report`` reads back)."""
+    attrs = {
+        "specdec.round": index,
+        "specdec.gamma": result.gamma,
+        "specdec.accepted": result.accepted,
+        "specdec.tokens": len(result.tokens),
+        "specdec.bytes_out": sum(c.bytes_out for c in calls),
+        "specdec.bytes_in": sum(c.bytes_in for c in calls),
+        "specdec.round_s": wall_s,
+        "specdec.draft.observed_s": result.draft_s,
+        "specdec.target.observed_s": result.verify_s,
+        "specdec.coordinator_s": phases["coordinator"],
+    }
+    for side in SIDES:
+        mine = [c for c in calls if c.side == side]
+        attrs[f"specdec.{side}.calls"] = len(mine)
+        if mine:
+            attrs[f"specdec.{side}.compute_s"] = sum(c.compute_s for c in mine)
+            attrs[f"specdec.{side}.queue_s"] = sum(c.queue_s for c in mine)
+            attrs[f"specdec.{side}.copy_s"] = sum(c.copy_s for c in mine)
+            attrs[f"specdec.{side}.network_s"] = sum(c.network_s for c in mine)
+        else:  # in process: all of it is compute
+            attrs[f"specdec.{side}.compute_s"] = phases[side]
+    if result.finish_reason:
+        attrs["specdec.finish_reason"] = result.finish_reason
+    return attrs
+
+
+# ====================================================================== generations
+
+
+def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, model: str, max_tokens: int,
+                       temperature: float, input_tokens: int, conversation_id: str,
+                       extra: Mapping[str, object] | None = None) -> Iterator:
+    """Pass the coordinator's events through inside the generation span; the final
+    event (``coordinator.engine.Stats``: it has ``generated_tokens`` and
+    ``finish_reason``) sets the usage attributes and the request metrics."""
+    with tracing.generation_span(model=model, max_tokens=max_tokens, temperature=temperature,
+                                 input_tokens=input_tokens, conversation_id=conversation_id, extra=extra) as span:
+        for event in events:
+            generated = getattr(event, "generated_tokens", None)
+            if generated is not None:
+                finish = getattr(event, "finish_reason", "") or "length"
+                if span.is_recording():
+                    tracing.record_usage(span, output_tokens=generated, finish_reason=finish,
+                                         **{"specdec.rounds": event.rounds,
+                                            "specdec.drafted_tokens": event.drafted_tokens,
+                                            "specdec.accepted_tokens": event.accepted_tokens})
+                if metrics is not None:
+                    metrics.observe_request(prompt_tokens=input_tokens, finish_reason=finish)
+            yield event
+
+
+# ====================================================================== services
+
+
+class ServerObserver(grpc.aio.ServerInterceptor):
+    """Every service's own account of each call: the SERVER span (current when
+    this runs inside the OpenTelemetry interceptor) gets the reply's ServerTiming
+    and the error code; metrics get latency, errors by code and model work.
+
+    Install it *after* :class:`specdec.errors.ErrorInterceptor` (it sees the
+    handler's exceptions and maps them with the same ``status_for``)."""
+
+    def __init__(self, metrics: RpcMetrics | None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _unary(self, behavior, method: str):
+        async def unary(request, context):
+            start, span = time.perf_counter(), trace.get_current_span()
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                self._failed(span, method, start, exc, context)
+                raise
+            self._answered(span, method, request, response.timing if _has_timing(response) else None, 1, response)
+            self._finished(method, start, None)
+            return response
+
+        return unary
+
+    def _stream(self, behavior, method: str):
+        async def stream(request, context):
+            start, span = time.perf_counter(), trace.get_current_span()
+            count, timing = 0, None
+            try:
+                async for message in behavior(request, context):
+                    count += 1
+                    if _has_timing(message):
+                        timing = message.timing
+                    yield message
+            except BaseException as exc:
+                self._failed(span, method, start, exc, context)
+                raise
+            self._answered(span, method, request, timing, count, None)
+            self._finished(method, start, None)
+
+        return stream
+
+    def _answered(self, span, method: str, request, timing, count: int, response) -> None:
+        """A call answered: ``timing`` is the reply's ServerTiming (None if it has
+        none), ``count`` the messages sent, ``response`` the reply of a unary call."""
+        if timing is not None and span.is_recording():
+            span.set_attributes({
+                "specdec.server.queue_s": timing.queue_s,
+                "specdec.server.compute_s": timing.compute_s,
+                "specdec.server.copy_s": timing.copy_s,
+                "specdec.server.computed_tokens": timing.computed_tokens,
+            })
+        if not isinstance(self.metrics, ServiceMetrics):
+            return
+        if timing is not None:
+            self.metrics.observe_timing(timing)
+        if method == "Propose":
+            self.metrics.observe_proposed(count)
+        elif method == "Verify":
+            self.metrics.observe_verified(len(request.draft_tokens), response.accepted)
+
+    def _failed(self, span, method: str, start: float, exc: BaseException, context) -> None:
+        from specdec.errors import status_for
+
+        if isinstance(exc, grpc.aio.AbortError):  # aborted on purpose: the code is on the context
+            code = _context_code(context) or grpc.StatusCode.UNKNOWN
+        elif isinstance(exc, Exception):
+            code = status_for(exc)[0]
+        else:  # cancelled by the client (CancelledError), or shutdown
+            code = grpc.StatusCode.CANCELLED
+        if span.is_recording():
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {exc}"))
+        self._finished(method, start, code.name)
+
+    def _finished(self, method: str, start: float, code: str | None) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rpc(method, time.perf_counter() - start, code)
+
+
+def _context_code(context) -> grpc.StatusCode | None:
+    try:
+        return context.code()
+    except Exception:  # noqa: BLE001 -- older grpc: no code() on aio contexts
+        return None
+
+
+class ServiceTelemetry:
+    """A service process's telemetry: tracing (process-wide, set up once from the
+    flags and ``OTEL_*``), its metrics registry and ``/metrics`` endpoint."""
+
+    def __init__(self, role: str, metrics: CoordinatorMetrics | ServiceMetrics | None = None,
+                 metrics_port: int = 0):
+        self.role = role
+        self.metrics = metrics
+        self.metrics_port = metrics_port
+        self.metrics_server: MetricsServer | None = None
+
+    @classmethod
+    def for_role(cls, role: str, metrics_port: int = 0) -> "ServiceTelemetry":
+        """Metrics objects only when a port will serve them."""
+        metrics = None
+        if metrics_port:
+            metrics = CoordinatorMetrics() if role == "coordinator" else ServiceMetrics(role)
+        return cls(role, metrics, metrics_port)
+
+    def server_interceptors(self) -> list:
+        """For :class:`specdec.server.GrpcServer`'s ``interceptors`` (they run inside
+        its ErrorInterceptor): the OpenTelemetry server interceptor, then ours."""
+        if self.metrics is None and not tracing.enabled():
+            return []
+        return [*tracing.server_interceptors(), ServerObserver(self.metrics)]
+
+    def serve_metrics(self, host: str = "0.0.0.0", sessions=None) -> int | None:
+        """Start ``/metrics`` if a port was given; ``sessions`` returns the
+        session store's stats (model services). Returns the port."""
+        if self.metrics is None or not self.metrics_port:
+            return None
+        if sessions is not None and isinstance(self.metrics, ServiceMetrics):
+            self.metrics.watch_sessions(sessions)
+        self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_port, host)
+        return self.metrics_server.port
+
+    def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+
+
+# ---------------------------------------------------------------- flags
+
+
+def metrics_port_env(role: str) -> str:
+    return f"SPECDEC_{role.upper()}_METRICS_PORT"
+
+
+def add_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--trace-file`` and ``--metrics-port`` for a service's command line."""
+    parser.add_argument(
+        "--trace-file", dest="trace_file", default=None, metavar="PATH",
+        help=f"append every span as a JSON line to PATH (read by `specdec trace-report`); OTLP export is "
+             f"configured by the standard OTEL_* variables [env {tracing.TRACE_FILE_ENV}; default off]")
+    parser.add_argument(
+        "--metrics-port", dest="metrics_port", default=None, type=int, metavar="PORT",
+        help=f"serve Prometheus metrics on http://HOST:PORT/metrics (0: off) [env {metrics_port_env(role)}; "
+             "default 0]")
+
+
+def setup_from_args(args: argparse.Namespace, role: str, environ: Mapping[str, str] | None = None) -> ServiceTelemetry:
+    """At process start: install tracing from ``--trace-file`` and ``OTEL_*`` and
+    prepare metrics for ``--metrics-port``."""
+    environ = os.environ if environ is None else environ
+    tracing.setup_tracing(f"specdec-{role}", getattr(args, "trace_file", None), environ)
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        raw = environ.get(metrics_port_env(role), "").strip()
+        try:
+            port = int(raw) if raw else 0
+        except ValueError:
+            raise ValueError(f"environment variable {metrics_port_env(role)}={raw!r} is not a valid int") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
+    return ServiceTelemetry.for_role(role, port)

@@ -1,0 +1,270 @@
+"""Traces (DESIGN §5): the tracer provider, the JSON-lines file exporter and the
+gRPC interceptors that carry W3C trace context between the three services.
+
+Configuration is the standard OpenTelemetry environment, plus one file flag:
+
+* ``OTEL_TRACES_EXPORTER`` = ``otlp`` | ``console`` | ``none`` (comma-separated
+  list allowed). Unset: ``otlp`` if an OTLP endpoint is set, else nothing.
+* ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` and
+  ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL`` = ``grpc`` (default) |
+  ``http/protobuf``; the exporters read the rest (headers, timeouts) themselves.
+* ``OTEL_SERVICE_NAME`` overrides the service's own name (``specdec-draft`` ...).
+* ``OTEL_SDK_DISABLED=true`` turns everything off.
+* ``--trace-file PATH`` / ``SPECDEC_TRACE_FILE``: every finished span as one JSON
+  line, appended (several processes may share a file); ``specdec trace-report``
+  reads it.
+
+Why nothing is installed when nothing is configured: the OpenTelemetry API then
+hands out its no-op tracer, whose spans cost well under a microsecond, and the
+services skip the tracing interceptors altogether — tracing that is off costs
+nothing measurable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from typing import Iterator, Mapping, Sequence
+
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "specdec"
+TRACE_FILE_ENV = "SPECDEC_TRACE_FILE"
+
+# gen_ai.* semantic-convention attribute names (GenAI semconv, incubating).
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_TOP_P = "gen_ai.request.top_p"
+GEN_AI_TOP_K = "gen_ai.request.top_k"
+GEN_AI_SEED = "gen_ai.request.seed"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_CONVERSATION = "gen_ai.conversation.id"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+
+
+def tracer() -> trace.Tracer:
+    """specdec's tracer (a proxy: it follows whatever provider is installed later)."""
+    return trace.get_tracer(TRACER_NAME)
+
+
+def enabled() -> bool:
+    """Whether a real tracer provider is installed in this process (by
+    :func:`setup_tracing` or by anything else, e.g. ``opentelemetry-instrument``)."""
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+# ---------------------------------------------------------------- provider setup
+
+
+def exporter_names(environ: Mapping[str, str]) -> list[str]:
+    """The span exporters the environment asks for (``otlp``, ``console``)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    raw = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not raw:
+        # The SDK's own default is "otlp" always; here an endpoint must say so, so
+        # that a bare service sends nothing anywhere (and costs nothing).
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ["otlp"] if endpoint else []
+    names = [n.strip() for n in raw.split(",") if n.strip() and n.strip() != "none"]
+    unknown = [n for n in names if n not in ("otlp", "console")]
+    if unknown:
+        raise ValueError(f"OTEL_TRACES_EXPORTER={raw!r}: unknown exporter {unknown[0]!r} (use otlp, console or none)")
+    return names
+
+
+def _otlp_exporter(environ: Mapping[str, str]):
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip().lower()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported (use grpc or http/protobuf)")
+    return OTLPSpanExporter()
+
+
+def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None,
+                  environ: Mapping[str, str] | None = None):
+    """Install a tracer provider for this process if the environment or
+    ``trace_file`` asks for any exporter; return it (None: tracing stays off).
+
+    Call once, at process start (OpenTelemetry allows one global provider). Spans
+    are exported in batches on a background thread and flushed at exit."""
+    environ = os.environ if environ is None else environ
+    trace_file = trace_file or environ.get(TRACE_FILE_ENV) or None
+    names = exporter_names(environ)
+    if not names and not trace_file:
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
+    exporters = []
+    for name in names:
+        exporters.append(_otlp_exporter(environ) if name == "otlp" else ConsoleSpanExporter())
+    if trace_file:
+        exporters.append(JsonLinesSpanExporter(trace_file))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    log.info("tracing %s to %s", resource.attributes.get("service.name"),
+             ", ".join(names + ([f"file {trace_file}"] if trace_file else [])))
+    return provider
+
+
+# ---------------------------------------------------------------- the file exporter
+
+
+def span_to_dict(span) -> dict:
+    """A finished SDK span as the flat JSON object of a trace-file line."""
+    ctx, parent = span.get_span_context(), span.parent
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "name": span.name,
+        "kind": span.kind.name,
+        "service": span.resource.attributes.get("service.name", ""),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
+        "events": [{"name": e.name, "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()}}
+                   for e in span.events],
+    }
+
+
+def _jsonable(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+class JsonLinesSpanExporter:
+    """Appends each finished span as one JSON line to a file.
+
+    A batch is written with a single ``write`` on a file opened in append mode,
+    so processes sharing one file do not interleave inside a line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence) -> "SpanExportResult":
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        data = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans).encode()
+        with self._lock:
+            if self._fd < 0:
+                return SpanExportResult.FAILURE
+            os.write(self._fd, data)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def read_spans(paths: Sequence[str | os.PathLike]) -> list[dict]:
+    """Every span of one or more trace files, each once (files may overlap);
+    lines that are not JSON are skipped with a warning (a process killed
+    mid-write may leave half a line)."""
+    spans, seen = [], set()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    span = json.loads(line)
+                    key = (span["trace_id"], span["span_id"])
+                except (json.JSONDecodeError, TypeError, KeyError):
+                    log.warning("%s:%d is not a JSON span; skipped", path, n)
+                    continue
+                if key not in seen:
+                    seen.add(key)
+                    spans.append(span)
+    return spans
+
+
+# ---------------------------------------------------------------- gRPC propagation
+
+
+def server_interceptors() -> list:
+    """The OpenTelemetry aio server interceptor (a SERVER span per call, parented
+    by the caller's ``traceparent`` metadata) — or nothing when tracing is off."""
+    if not enabled():
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor()]
+
+
+def instrument_channel(channel, *inner_interceptors):
+    """A synchronous channel whose calls get a CLIENT span each and carry W3C trace
+    context in their metadata; ``inner_interceptors`` (grpc client interceptors)
+    run inside the client span, so they can annotate it.
+
+    Keep the raw channel to close it: the wrapper has no ``close``."""
+    import grpc
+
+    if inner_interceptors:
+        channel = grpc.intercept_channel(channel, *inner_interceptors)
+    if not enabled():
+        return channel
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    return intercept_channel(channel, client_interceptor())
+
+
+# ---------------------------------------------------------------- the generation span
+
+
+@contextlib.contextmanager
+def generation_span(*, model: str, max_tokens: int, temperature: float, input_tokens: int,
+                    conversation_id: str, operation: str = "text_completion",
+                    extra: Mapping[str, object] | None = None) -> Iterator[trace.Span]:
+    """The span of one Generate, named and attributed per the GenAI semantic
+    conventions (``{operation} {model}``); every round span is its child.
+    Set the output with :func:`record_usage`."""
+    attributes = {
+        GEN_AI_OPERATION: operation,
+        GEN_AI_PROVIDER: "specdec",
+        GEN_AI_REQUEST_MODEL: model,
+        GEN_AI_MAX_TOKENS: max_tokens,
+        GEN_AI_TEMPERATURE: temperature,
+        GEN_AI_INPUT_TOKENS: input_tokens,
+        GEN_AI_CONVERSATION: conversation_id,
+        **(extra or {}),
+    }
+    with tracer().start_as_current_span(f"{operation} {model}", attributes=attributes) as span:
+        yield span
+
+
+def record_usage(span: trace.Span, *, output_tokens: int, finish_reason: str, **extra) -> None:
+    span.set_attribute(GEN_AI_OUTPUT_TOKENS, output_tokens)
+    span.set_attribute(GEN_AI_FINISH_REASONS, [finish_reason])
+    for key, value in extra.items():
+        span.set_attribute(key, value)

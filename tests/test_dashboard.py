@@ -1,0 +1,94 @@
+"""The Grafana dashboard and Prometheus scrape config in deploy/ stay true to
+the metrics the code exports: every PromQL expression names only metrics that
+specdec/metrics.py registers (with the right suffixes) and labels they carry."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+from specdec.metrics import CoordinatorMetrics, ServiceMetrics
+from specdec.sessions import StoreStats
+
+DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "specdec-dashboard.json"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+
+
+def exported() -> dict[str, set[str]]:
+    """Every sample name the services export after some work -> its labels."""
+    from specdec.metrics import ROUND_PHASES
+    from specdec.timing import ServerTiming
+
+    stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1)
+    coordinator, service = CoordinatorMetrics(), ServiceMetrics("target", sessions=lambda: stats)
+    coordinator.observe_round(gamma=2, accepted=1, tokens=2, wall_s=0.01, phases=dict.fromkeys(ROUND_PHASES, 0.001))
+    coordinator.observe_call("draft", 0.001, 10, 10)
+    coordinator.observe_request(prompt_tokens=3, finish_reason="length")
+    for m in (coordinator, service):
+        m.observe_rpc("Verify", 0.01, "NOT_FOUND")
+    service.observe_timing(ServerTiming(0.1, 0.1, 0.1, 3))
+    service.observe_proposed(2)
+    service.observe_verified(2, 1)
+    names: dict[str, set[str]] = {}
+    for registry in (coordinator.registry, service.registry):
+        assert isinstance(registry, CollectorRegistry)
+        for family in registry.collect():
+            for sample in family.samples:
+                names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def panels(dashboard: dict) -> list[dict]:
+    out = []
+    for p in dashboard["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # collapsed rows
+    return out
+
+
+def expressions() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in panels(dashboard) for t in p.get("targets", [])]
+
+
+def test_every_panel_queries_only_exported_metrics_and_labels():
+    names = exported()
+    exprs = expressions()
+    assert exprs
+    for title, expr in exprs:
+        used = set(re.findall(r"\bspecdec_[a-zA-Z0-9_]+", expr))
+        assert used, f"panel {title!r} queries no specdec metric: {expr}"
+        for metric in used:
+            assert metric in names, f"panel {title!r} uses {metric}, which specdec does not export"
+        # label matchers and by/without clauses must name labels the metrics carry
+        labels = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"", expr))
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+            labels |= {x.strip() for x in group.split(",") if x.strip()}
+        carried = set().union(*(names[m] for m in used))
+        assert labels <= carried, f"panel {title!r} uses labels {labels - carried} that {sorted(used)} lack"
+
+
+def test_dashboard_covers_what_operators_ask_for():
+    titles = {p["title"].lower() for p in panels(json.loads(DASHBOARD.read_text()))}
+    for want in ("acceptance rate", "mean acceptance length", "acceptance by draft position", "γ over time",
+                 "tokens / s", "share of round time crossing devices"):
+        assert any(want in t for t in titles), f"no panel about {want!r}"
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    assert any(v["type"] == "datasource" for v in dashboard["templating"]["list"])
+
+
+def test_prometheus_scrapes_the_three_services():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for role in ("coordinator", "draft", "target"):
+        job = jobs[f"specdec-{role}"]
+        assert job["static_configs"][0]["targets"], role
+        # a target label named like a metric label would be renamed exported_<label>
+        assert "service" not in job["static_configs"][0].get("labels", {})

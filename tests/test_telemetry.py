@@ -1,0 +1,307 @@
+"""Telemetry pieces in isolation: exporter selection from OTEL_*, the JSON-lines
+file exporter, round spans and their time split, the coordinator's and services'
+metrics over HTTP, and ``specdec trace-report`` on a recorded file."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec import telemetry, tracing
+from specdec.cli import main as cli_main
+from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, ServiceMetrics
+from specdec.rounds import RoundResult
+from specdec.sessions import StoreStats
+
+
+def _reset_global_provider() -> None:
+    """OpenTelemetry allows one global provider per process; tests swap it (as
+    OpenTelemetry's own test utilities do)."""
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+
+
+@pytest.fixture
+def provider():
+    """A global provider for one test, exporting to memory; removed afterwards."""
+    _reset_global_provider()
+    p = TracerProvider(resource=Resource.create({"service.name": "specdec-test"}))
+    memory = InMemorySpanExporter()
+    p.add_span_processor(SimpleSpanProcessor(memory))
+    trace.set_tracer_provider(p)
+    p.memory = memory
+    yield p
+    p.shutdown()
+    _reset_global_provider()
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, []),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, ["otlp"]),
+    ({"OTEL_TRACES_EXPORTER": "console"}, ["console"]),
+    ({"OTEL_TRACES_EXPORTER": "otlp,console"}, ["otlp", "console"]),
+    ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, []),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, []),
+])
+def test_exporters_come_from_the_standard_environment(env, expected):
+    assert tracing.exporter_names(env) == expected
+
+
+def test_nothing_configured_installs_nothing():
+    assert tracing.setup_tracing("specdec-x", None, environ={}) is None
+    assert not tracing.enabled()
+    with telemetry.TRACE_ONLY.round(0) as scope:  # the shared no-op scope
+        assert scope is telemetry._NULL_SCOPE
+    assert telemetry.ServiceTelemetry.for_role("draft").server_interceptors() == []
+
+
+def test_bad_exporter_settings_say_what_is_wrong():
+    with pytest.raises(ValueError, match="unknown exporter 'jaeger'"):
+        tracing.exporter_names({"OTEL_TRACES_EXPORTER": "jaeger"})
+    with pytest.raises(ValueError, match="http/json"):
+        tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+@pytest.mark.parametrize("protocol, module", [("grpc", "proto.grpc"), ("http/protobuf", "proto.http")])
+def test_otlp_protocol_selects_the_exporter(protocol, module):
+    exporter = tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
+    assert module in type(exporter).__module__
+    exporter.shutdown()
+
+
+def test_metrics_port_flag_and_environment():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    telemetry.add_arguments(parser, "draft")
+    args = parser.parse_args([])
+    assert telemetry.setup_from_args(args, "draft", environ={}).metrics is None
+    t = telemetry.setup_from_args(args, "draft", environ={"SPECDEC_DRAFT_METRICS_PORT": "9464"})
+    assert t.metrics_port == 9464 and isinstance(t.metrics, ServiceMetrics)
+    t = telemetry.setup_from_args(parser.parse_args(["--metrics-port", "9999"]), "coordinator", environ={})
+    assert isinstance(t.metrics, CoordinatorMetrics)
+    with pytest.raises(ValueError, match="SPECDEC_DRAFT_METRICS_PORT"):
+        telemetry.setup_from_args(args, "draft", environ={"SPECDEC_DRAFT_METRICS_PORT": "x"})
+
+
+# ---------------------------------------------------------------- rounds
+
+
+def _result(gamma, accepted, draft_s=0.010, verify_s=0.020):
+    tokens = list(range(accepted + 1))
+    return RoundResult(tokens, gamma, accepted, draft_s, verify_s, None)
+
+
+def test_round_span_splits_the_round_into_phases(provider):
+    metrics = CoordinatorMetrics()
+    observer = telemetry.RoundObserver(metrics)
+    with tracing.tracer().start_as_current_span("parent"):
+        with observer.round(3) as scope:
+            scope.calls.append(telemetry.RpcRecord("draft", observed_s=0.010, compute_s=0.006, copy_s=0.001,
+                                                   bytes_out=40, bytes_in=400))
+            scope.calls.append(telemetry.RpcRecord("target", observed_s=0.020, queue_s=0.002, compute_s=0.015,
+                                                   bytes_out=500, bytes_in=12))
+            scope.done(_result(gamma=4, accepted=2))
+    spans = {s.name: s for s in provider.memory.get_finished_spans()}
+    rnd = spans["specdec.round"]
+    assert rnd.parent.span_id == spans["parent"].context.span_id
+    a = rnd.attributes
+    assert (a["specdec.round"], a["specdec.gamma"], a["specdec.accepted"], a["specdec.tokens"]) == (3, 4, 2, 3)
+    assert (a["specdec.bytes_out"], a["specdec.bytes_in"]) == (540, 412)
+    assert a["specdec.draft.network_s"] == pytest.approx(0.003)
+    assert a["specdec.target.network_s"] == pytest.approx(0.003)
+    assert a["specdec.target.queue_s"] == pytest.approx(0.002)
+    phases = sum(a[k] for k in ("specdec.draft.compute_s", "specdec.target.compute_s", "specdec.draft.copy_s",
+                                "specdec.target.queue_s", "specdec.draft.network_s", "specdec.target.network_s",
+                                "specdec.coordinator_s"))
+    assert phases == pytest.approx(a["specdec.round_s"], abs=1e-9) or a["specdec.coordinator_s"] == 0
+
+
+def test_network_time_is_never_negative():
+    rec = telemetry.RpcRecord("target", observed_s=0.010, compute_s=0.011)
+    assert rec.network_s == 0.0
+
+
+def test_in_process_rounds_count_as_compute(provider):
+    with telemetry.TRACE_ONLY.round(0) as scope:
+        scope.done(_result(gamma=2, accepted=1, draft_s=0.004, verify_s=0.007))
+    (rnd,) = provider.memory.get_finished_spans()
+    assert rnd.attributes["specdec.draft.compute_s"] == pytest.approx(0.004)
+    assert rnd.attributes["specdec.target.compute_s"] == pytest.approx(0.007)
+    assert "specdec.draft.network_s" not in rnd.attributes
+
+
+def test_round_metrics_mirror_vllm_spec_decode_counters():
+    metrics = CoordinatorMetrics()
+    observer = telemetry.RoundObserver(metrics)  # metrics without tracing
+    rounds = [(4, 4), (4, 1), (0, 0), (3, 0), (2, 2)]
+    for gamma, accepted in rounds:
+        with observer.round(0) as scope:
+            scope.done(_result(gamma, accepted))
+    v = _values(metrics.registry)
+    drafting = [(g, a) for g, a in rounds if g > 0]
+    assert v["specdec_spec_decode_num_drafts_total"] == len(drafting)
+    assert v["specdec_spec_decode_num_draft_tokens_total"] == sum(g for g, _ in rounds)
+    assert v["specdec_spec_decode_num_accepted_tokens_total"] == sum(a for _, a in rounds)
+    per_pos = {int(p): n for p, n in v.by_label("specdec_spec_decode_num_accepted_tokens_per_pos_total",
+                                                    "position").items()}
+    assert per_pos == {0: 3, 1: 2, 2: 1, 3: 1}
+    assert sum(per_pos.values()) == v["specdec_spec_decode_num_accepted_tokens_total"]
+    assert v["specdec_accepted_length_count"] == len(drafting)
+    assert v["specdec_rounds_total"] == len(rounds)
+    assert v["specdec_gamma"] == 2
+    assert v["specdec_generated_tokens_total"] == sum(a + 1 for _, a in rounds)
+    phases = set(v.by_label("specdec_round_phase_seconds_count", "phase"))
+    assert phases == set(ROUND_PHASES)
+
+
+# ---------------------------------------------------------------- metrics over HTTP
+
+
+class _Values(dict):
+    """Unlabelled sample name -> value; ``get(name, **labels)`` for labelled ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.labelled: dict[tuple[str, frozenset], float] = {}
+
+    def get_labelled(self, name: str, **labels) -> float:
+        return self.labelled[(name, frozenset(labels.items()))]
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        return {dict(k)[label]: v for (n, k), v in self.labelled.items() if n == name and label in dict(k)}
+
+
+def _values(registry_or_text) -> _Values:
+    if not isinstance(registry_or_text, str):
+        from prometheus_client import generate_latest
+
+        registry_or_text = generate_latest(registry_or_text).decode()
+    out = _Values()
+    for family in text_string_to_metric_families(registry_or_text):
+        for s in family.samples:
+            if s.labels:
+                out.labelled[(s.name, frozenset(s.labels.items()))] = s.value
+            else:
+                out[s.name] = s.value
+    return out
+
+
+def test_service_metrics_are_served_over_http():
+    stats = StoreStats(active_sessions=3, cached_tokens=120, evictions=2, expirations=1, created=6)
+    metrics = ServiceMetrics("target", sessions=lambda: stats)
+    metrics.observe_verified(drafts=4, accepted=3)
+    metrics.observe_rpc("Verify", 0.01, None)
+    metrics.observe_rpc("Verify", 0.01, "NOT_FOUND")
+    server = MetricsServer(metrics.registry, 0, "127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    finally:
+        server.close()
+    v = _values(text)
+    get = v.get_labelled
+    assert get("specdec_active_sessions", service="target") == 3
+    assert get("specdec_cached_kv_tokens", service="target") == 120
+    assert get("specdec_session_evictions_total", service="target") == 2
+    assert get("specdec_target_verified_draft_tokens_total", service="target") == 4
+    assert get("specdec_target_accepted_tokens_total", service="target") == 3
+    assert get("specdec_rpc_errors_total", service="target", method="Verify", code="NOT_FOUND") == 1
+    assert get("specdec_rpc_server_duration_seconds_count", service="target", method="Verify") == 2
+
+
+def test_separate_services_keep_separate_registries():
+    a, b = CoordinatorMetrics(), CoordinatorMetrics()
+    a.observe_round(gamma=3, accepted=3, tokens=4, wall_s=0.01, phases={})
+    assert _values(a.registry)["specdec_spec_decode_num_draft_tokens_total"] == 3
+    assert _values(b.registry)["specdec_spec_decode_num_draft_tokens_total"] == 0
+
+
+# ---------------------------------------------------------------- file exporter and report
+
+
+def _record_generation(provider, rounds, session="chat-1"):
+    observer = telemetry.RoundObserver()
+
+    class Stats:
+        generated_tokens = sum(a + 1 for _, a in rounds)
+        finish_reason, rounds_, drafted_tokens, accepted_tokens = "length", len(rounds), 0, 0
+
+    Stats.rounds = len(rounds)
+
+    def events():
+        for i, (gamma, accepted) in enumerate(rounds):
+            with observer.round(i) as scope:
+                scope.calls.append(telemetry.RpcRecord("draft", 0.012, compute_s=0.008, bytes_out=30, bytes_in=300))
+                scope.calls.append(telemetry.RpcRecord("target", 0.025, compute_s=0.019, copy_s=0.001))
+                scope.done(_result(gamma, accepted, draft_s=0.012, verify_s=0.025))
+            yield i
+        yield Stats()
+
+    list(telemetry.observe_generation(events(), metrics=None, model="tiny-target", max_tokens=32,
+                                      temperature=0.0, input_tokens=5, conversation_id=session))
+
+
+def test_file_exporter_writes_one_json_span_per_line(provider, tmp_path):
+    path = tmp_path / "traces" / "spans.jsonl"
+    exporter = tracing.JsonLinesSpanExporter(path)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _record_generation(provider, [(4, 3), (4, 4)])
+    exporter.shutdown()
+    lines = path.read_text().splitlines()
+    spans = [json.loads(line) for line in lines]
+    assert [s["name"] for s in spans] == ["specdec.round", "specdec.round", "text_completion tiny-target"]
+    gen = spans[-1]
+    assert {s["trace_id"] for s in spans} == {gen["trace_id"]}
+    assert all(s["parent_span_id"] == gen["span_id"] for s in spans[:2])
+    assert gen["service"] == "specdec-test" and gen["kind"] == "INTERNAL"
+    a = gen["attributes"]
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "tiny-target"
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (5, 9)
+    assert a["gen_ai.conversation.id"] == "chat-1" and a["gen_ai.request.max_tokens"] == 32
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+
+
+def _trace_report(*argv) -> int:
+    """``specdec trace-report ARGV``."""
+    return cli_main(["trace-report", *argv])
+
+
+def test_trace_report_prints_tables_and_draws_rounds(provider, tmp_path, capsys):
+    path = tmp_path / "spans.jsonl"
+    exporter = tracing.JsonLinesSpanExporter(path)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _record_generation(provider, [(4, 3), (4, 4), (6, 0)], session="chat-1")
+    _record_generation(provider, [(2, 2)], session="chat-2")
+    exporter.shutdown()
+    with open(path, "a") as f:
+        f.write('{"truncated": \n')  # a half-written line is skipped, not fatal
+    png = tmp_path / "out" / "rounds.png"
+    assert _trace_report(str(path), "--png", str(png)) == 0
+    out = capsys.readouterr().out
+    assert "2 generation(s), 4 round(s)" in out
+    assert "chat-1" in out and "chat-2" in out
+    for phase in ("draft compute", "target compute", "device copies", "network + serialisation", "coordinator"):
+        assert phase in out
+    row = next(line for line in out.splitlines() if line.startswith("chat-1"))
+    assert " 3 " in row and "50.0%" in row  # 3 rounds; 7 of 14 drafts accepted
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_report_without_rounds_explains(tmp_path, capsys):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    assert _trace_report(str(path)) == 1
+    assert "--trace-file" in capsys.readouterr().err
