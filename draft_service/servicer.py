@@ -7,6 +7,8 @@ service in :mod:`specdec.model_service`.
 
 from __future__ import annotations
 
+import asyncio
+
 from specdec import proto_convert as pc
 from specdec.local import draft_tokens
 from specdec.model_service import ModelHost, sampling_key
@@ -34,27 +36,46 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             timing = ServerTiming()
             steps = draft_tokens(host.runner, session.state, request.position, new_tokens, gamma,
                                  params, request.draft_top_k)
-            if gamma == 0:  # nothing to draft: just roll back and append
-                await host.run(timing, list, steps)
+            # The whole round is one executor job (a hop to the executor and back per
+            # token cost more than drafting it); each token is handed to the event
+            # loop as soon as it exists and streamed from there.
+            loop = asyncio.get_running_loop()
+            drafted: asyncio.Queue[DraftToken] = asyncio.Queue()
+
+            def draft_all() -> None:
+                for draft in steps:
+                    loop.call_soon_threadsafe(drafted.put_nowait, DraftToken(draft.token, host.to_host(draft.q, timing)))
+
+            job = asyncio.ensure_future(host.run(timing, draft_all))
             sent = []
             for i in range(gamma):
-                # One step per executor job: the token goes out before the next is drafted,
-                # and other sessions' work can interleave.
-                draft = await host.run(timing, self._step, steps, timing)
+                if i == gamma - 1:
+                    await job  # the last message carries the call's timing: drafting must be over
+                draft = await _next_or_failure(drafted, job)
                 msg = pc.draft_token_to_proto(draft, timing if i == gamma - 1 else None)
                 sent.append(msg)
                 yield msg
+            await job  # γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
-
-    def _step(self, steps, timing: ServerTiming) -> DraftToken:
-        draft = next(steps)
-        return DraftToken(draft.token, self.host.to_host(draft.q, timing))
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)
 
     async def GetModelInfo(self, request, context):
         return self.host.model_info()
+
+
+async def _next_or_failure(queue: asyncio.Queue, job: asyncio.Future):
+    """The next drafted token, or the drafting job's exception if it failed first."""
+    if queue.empty():
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        job.result()  # raises what drafting raised
+        raise RuntimeError("drafting ended before producing every token")
+    return queue.get_nowait()
 
 
 def add_to_server(host: ModelHost, server) -> None:

@@ -34,7 +34,14 @@ import time
 import torch
 
 IN_PROCESS_CORES = "in-process: 1 process on core 1, 1 torch thread"
-DISTRIBUTED_CORES = "draft service on core 0, target service on core 1, coordinator + proxies on core 0; 1 torch thread each"
+DISTRIBUTED_CORES = ("draft service on core 0, target service on core 1, coordinator, proxies and client "
+                     "on core 0; 1 torch thread each")
+
+
+def pin(core: int) -> None:
+    """Move this (the benchmark's) process to ``core`` when the machine has it."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {core} & os.sched_getaffinity(0) or os.sched_getaffinity(0))
 
 
 @dataclasses.dataclass
@@ -227,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
     configs, rtts = plan(args)
 
     torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, {1} & os.sched_getaffinity(0) or os.sched_getaffinity(0))
+    all_cores = os.sched_getaffinity(0)
     dec = SpeculativeDecoder(target_dir, draft_dir)
     hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
@@ -251,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
                 order = configs[:]
                 rng.shuffle(order)
                 for c in order:
+                    # In-process rows run on core 1; as the client of distributed rows this
+                    # process stays off the target's core.
+                    pin(0 if c.kind == "distributed" else 1)
                     if c.kind in ("target-only", "in-process"):
                         run_ours(dec, prompt, new_tokens, sampling, policies[c], totals[c])
                     elif c.kind == "hf-assisted":
@@ -261,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
             results[mode] = summarise(configs, totals)
     finally:
         procs.stop()
+        os.sched_setaffinity(0, all_cores)
 
     record = {"command": " ".join(["specdec", "bench", *sys.argv[2:]]), "prompts": n_prompts,
               "new_tokens": new_tokens, "target": str(target_dir), "draft": str(draft_dir), "results": results}

@@ -176,7 +176,7 @@ class AdaptiveGamma:
         ]
 
     def cost(self) -> RoundCost | None:
-        if self._draft_per_token is None or self._verify.w == 0:
+        if self._draft_fixed is None or self._verify.w == 0:
             return None
         verify_fixed, verify_per_token = self._verify.fit(default_slope=0.0)
         return RoundCost(self._draft_fixed, self._draft_per_token, verify_fixed, verify_per_token)
@@ -192,8 +192,8 @@ class AdaptiveGamma:
 
     def choose(self) -> int:
         gamma = self.best()
-        if gamma == 0 and self._rounds % self.probe_every == 0 and self.gamma_max > 0:
-            gamma = 1  # probe: is drafting worth it again?
+        if gamma == 0 and self._rounds % self.probe_every == 0:
+            gamma = min(2, self.gamma_max)  # probe: is drafting worth it again? (2: a per-token gap)
         return gamma
 
     def observe(self, result: "RoundResult") -> None:
@@ -208,18 +208,19 @@ class AdaptiveGamma:
             self._tried[i] += 1
             if i < n:
                 self._accepted[i] += 1
-        if result.caught_up:
-            return  # the round's time went mostly into pre-fill: not what a round costs
-        self._verify.add(g, result.verify_s)
+        if not result.target_caught_up:  # a pre-fill is not what a round costs
+            self._verify.add(g, result.verify_s)
         if g:
             per_token = self._draft_per_token
             if g >= 2 and result.draft_first_s is not None:
+                # Gaps between streamed drafts: per-token cost even after a catch-up.
                 per_token = (result.draft_s - result.draft_first_s) / (g - 1)
             elif per_token is None:
                 per_token = result.draft_s / g
-            fixed = max(0.0, result.draft_s - per_token * g)
             self._draft_per_token = _ema(self._draft_per_token, per_token, d)
-            self._draft_fixed = _ema(self._draft_fixed, fixed, d)
+            if not result.draft_caught_up:
+                fixed = max(0.0, result.draft_s - per_token * g)
+                self._draft_fixed = _ema(self._draft_fixed, fixed, d)
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:

@@ -73,7 +73,10 @@ class RoundResult:
     verify_s: float
     finish_reason: str | None  # "eos" | "length" | None while generating
     draft_first_s: float | None = None  # until the first draft arrived (the rest is per-token drafting)
-    caught_up: int = 0  # history tokens a side had to run first (pre-fill, or catching up after γ = 0)
+    # History tokens each side ran before this round's own work (beyond the one
+    # token of the last round): a pre-fill, or the draft catching up after γ = 0.
+    draft_caught_up: int = 0
+    target_caught_up: int = 0
 
 
 def dense_rows(qs: list[Distribution], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -115,7 +118,8 @@ def run_rounds(
         gamma = 0 if proposer is None else max(0, min(gamma_policy.choose(), room - 1))
 
         # Normally each side lacks just the last round's token; more is pre-fill.
-        behind = len(state.tokens) - min(state.target_synced, state.draft_synced if gamma else len(state.tokens))
+        draft_behind = max(0, len(state.tokens) - state.draft_synced - 1) if gamma else 0
+        target_behind = max(0, len(state.tokens) - state.target_synced - 1)
         with observer.round(index) as observed:
             t0 = time.perf_counter()
             drafts: list[DraftToken] = []
@@ -138,7 +142,8 @@ def run_rounds(
             if gamma:
                 state.draft_synced = min(base + verdict.accepted, len(state.tokens))
             state.target_synced = len(state.tokens)
-            result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first, max(0, behind - 1))
+            result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first,
+                                 draft_behind, target_behind)
             observed.done(result)
         gamma_policy.observe(result)
         yield result

@@ -106,7 +106,7 @@ def test_zero_cost_estimates_do_not_divide_by_zero():
 
 def test_prefill_rounds_do_not_count_as_round_cost():
     policy = AdaptiveGamma(gamma_max=8)
-    policy.observe(RoundResult([1] * 5, 4, 4, 0.5, 0.9, None, 0.45, caught_up=300))  # a long pre-fill
+    policy.observe(RoundResult([1] * 5, 4, 4, 0.453, 0.9, None, 0.45, draft_caught_up=300, target_caught_up=300))
     assert policy.cost() is None  # nothing learned about cost yet
     policy.observe(RoundResult([1] * 5, 4, 4, 0.004, 0.006, None, 0.001))
     cost = policy.cost()
