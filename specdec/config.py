@@ -163,9 +163,7 @@ class CoordinatorConfig:
     tokenizer: str | None = _role_only(None)  # tokenizer directory; None = the bundled target's, if present
     max_new_tokens_cap: int = 4096  # requests asking for more are rejected
     max_sessions: int = 100_000  # named sessions remembered; least recently used forgotten beyond
-    # Used when a request leaves gamma_policy empty. Not "adaptive" yet: its
-    # best_gamma() can divide by a zero round-time estimate (reported to the lead).
-    default_gamma_policy: str = "heuristic"
+    default_gamma_policy: str = "adaptive"  # used when a request leaves gamma_policy empty
     gamma_max: int = 16  # static:N above this is rejected; heuristic never exceeds it
     call_timeout_s: float = 60.0  # deadline of every Propose / Verify call
     info_timeout_s: float = 10.0  # deadline of GetModelInfo / EndSession calls

@@ -25,7 +25,7 @@ def test_demo_streams_a_completion_and_reports_the_speedup(pair, capfd):
                  "--max-new-tokens", "32", "--prompt", "def main():\n"]) == 0
     out, err = capfd.readouterr()
     assert out.startswith("def main():\n") and len(out) > len("def main():\n")
-    for line in ("serving: coordinator 127.0.0.1:", "acceptance ", "gamma         heuristic: mean",
+    for line in ("serving: coordinator 127.0.0.1:", "acceptance ", "gamma         adaptive: mean",
                  "speculative ", "target only ", "speedup ", "same output as target-only decoding: yes"):
         assert line in err, err
 

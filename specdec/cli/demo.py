@@ -16,15 +16,15 @@ import tempfile
 
 from specdec.cli.serve import Stack, add_model_arguments, model_dirs
 
-DEFAULT_PROMPT = 'import os\n\n\ndef read_lines(path, encoding="utf-8"):\n    """Return the lines of the file at *path*."""\n'
+DEFAULT_PROMPT = 'class Error(Exception):\n    """Base class for exceptions in this module."""\n    pass\n\n\nclass'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to complete (default: a Python function header)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--gamma-policy", default="heuristic",
-                   help="static:N | heuristic | adaptive (default heuristic)")
+    p.add_argument("--gamma-policy", default="adaptive",
+                   help="static:N | heuristic | adaptive (default adaptive)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
