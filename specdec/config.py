@@ -91,6 +91,16 @@ DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 MiB = 1 << 20
 
 
+def check_limits(config, *, positive: tuple[str, ...], non_negative: tuple[str, ...]) -> None:
+    """ValueError naming the first field out of range."""
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+    for name in non_negative:
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+
+
 @dataclasses.dataclass
 class ServiceConfig:
     """One model service: the draft (role "draft") or the target (role "target")."""
@@ -114,17 +124,10 @@ class ServiceConfig:
             raise ValueError(f"role must be 'draft' or 'target', got {self.role!r}")
         if self.port is None:
             self.port = DEFAULT_PORTS[self.role]
-        for name in ("max_sessions", "max_cached_tokens", "max_message_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
-        if self.gamma_max < 0:
-            raise ValueError(f"gamma_max must be >= 0, got {self.gamma_max}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check_limits(self, positive=("max_sessions", "max_cached_tokens", "max_message_bytes", "session_ttl_s"),
+                     non_negative=("gamma_max", "drain_grace_s"))
 
     @classmethod
     def load(cls, role: str, overrides: Mapping[str, Any] | None = None,
@@ -177,16 +180,9 @@ class CoordinatorConfig:
             self.port = DEFAULT_PORTS["coordinator"]
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_new_tokens_cap", "max_sessions", "max_workers", "max_message_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("call_timeout_s", "info_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.gamma_max < 0:
-            raise ValueError(f"gamma_max must be >= 0, got {self.gamma_max}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        check_limits(self, positive=("max_new_tokens_cap", "max_sessions", "max_workers", "max_message_bytes",
+                                     "call_timeout_s", "info_timeout_s"),
+                     non_negative=("gamma_max", "drain_grace_s"))
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,

@@ -211,11 +211,11 @@ def test_text_waits_for_whole_utf8_characters(tokenizer):
 def test_evicted_sessions_are_re_pre_filled_from_the_history(fakes):
     draft, target, make = fakes
     engine = make()
-    ids1, _, s1 = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, session_id="e")
+    ids1, _, s1 = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, session_id="e", gamma_policy="static:3")
     target.sessions.clear()  # the target evicts the session ...
     draft.sessions.clear()  # ... and so does the draft
     target.calls.clear(), draft.calls.clear()
-    ids2, _, s2 = run(engine, prompt_ids=(33, 33), max_new_tokens=10, session_id="e")
+    ids2, _, s2 = run(engine, prompt_ids=(33, 33), max_new_tokens=10, session_id="e", gamma_policy="static:3")
     history = 3 + 10 + 2
     # the answer is exactly what an uninterrupted session gives
     assert ids2 == expected_tokens(history, 10)
