@@ -153,15 +153,16 @@ class Coordinator:
         """Forget a named session and free its state in both services."""
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
-        with self._lock:
-            if session_id in self._busy:
-                raise errors.FailedPrecondition(f"session {session_id!r} is generating; cancel that request first")
-        if self.directory.get(session_id) is None:
-            raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
-        self.directory.delete(session_id)
-        self.draft.end_session(session_id)
-        self.target.end_session(session_id)
-        return True
+        self._claim(session_id)  # no Generate may start on it meanwhile
+        try:
+            if self.directory.get(session_id) is None:
+                raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
+            self.directory.delete(session_id)
+            self.draft.end_session(session_id)
+            self.target.end_session(session_id)
+            return True
+        finally:
+            self._release(session_id)
 
     def _claim(self, session_id: str) -> None:
         with self._lock:
@@ -222,7 +223,12 @@ class Coordinator:
         sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
         self._claim(sid)
         try:
-            record = (self.directory.get(sid) if named else None) or SessionRecord(session_id=sid)
+            record = self.directory.get(sid) if named else None
+            if record is None:
+                record = SessionRecord(session_id=sid)
+                if named:  # forgotten here but maybe still held there: start clean (round ids restart)
+                    self.draft.end_session(sid)
+                    self.target.end_session(sid)
             tokens = record.tokens + prompt_ids
             if len(tokens) >= pair.context:
                 history = f" ({len(tokens)} with the session history)" if record.tokens else ""

@@ -190,7 +190,8 @@ class RemoteProposer:
                         self._account(message.timing, gamma, retries.refilled,
                                       time.perf_counter() - started, request.ByteSize(), received)
                     yielded += 1
-                    yield conv.draft_token_from_proto(message)
+                    # q stays the received message: the coordinator only forwards it.
+                    yield DraftToken(message.token, message.q if message.HasField("q") else None)
                 return
             except grpc.RpcError as e:
                 action = None if yielded else retries.after(e, position, self.client, self.session_id)

@@ -187,10 +187,10 @@ class ModelHost:
         return params
 
     def check_vocab(self, tokens: list[int], what: str) -> None:
-        vocab = self.runner.vocab_size
-        for t in tokens:
-            if not 0 <= t < vocab:
-                raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {vocab})")
+        try:
+            self.runner.check_tokens(tokens, what)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
 
     def session(self, session_id: str, position: int, reserve: int):
         """The session store's context manager (see :meth:`SessionStore.open`)."""

@@ -70,7 +70,11 @@ def _probs_bytes(t: torch.Tensor) -> bytes:
 
 def dist_to_proto(q: Distribution) -> pb.Distribution:
     """A dense [V] tensor or a SparseDist -> Distribution. Tensors on a device are
-    copied to the host here; copy them first to time that copy separately."""
+    copied to the host here; copy them first to time that copy separately. A
+    Distribution message (the coordinator forwarding what the draft sent) passes
+    through untouched: the target validates it."""
+    if isinstance(q, pb.Distribution):
+        return q
     if isinstance(q, SparseDist):
         return pb.Distribution(ids=q.ids.detach().cpu().tolist(), probs=_probs_bytes(q.probs))
     if q.dim() != 1:

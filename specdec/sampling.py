@@ -75,7 +75,10 @@ def validate_sampling(params: SamplingParams) -> None:
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits ``[..., V]`` -> probabilities ``[..., V]`` (float32) after temperature,
     top-k and top-p. Rows are processed independently. Not for greedy decoding."""
-    x = logits.float() / params.temperature
+    x = logits.float()
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf
+    # (softmax is unchanged by the shift).
+    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

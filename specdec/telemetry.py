@@ -268,8 +268,11 @@ def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, 
     """Pass the coordinator's events through inside the generation span; the final
     event (``coordinator.engine.Stats``: it has ``generated_tokens`` and
     ``finish_reason``) sets the usage attributes and the request metrics."""
-    with tracing.generation_span(model=model, max_tokens=max_tokens, temperature=temperature,
-                                 input_tokens=input_tokens, conversation_id=conversation_id, extra=extra) as span:
+    # closing(): the engine's cleanup (EndSession, directory write) runs when this
+    # generator is closed, not whenever the garbage collector frees it.
+    with contextlib.closing(events), tracing.generation_span(
+            model=model, max_tokens=max_tokens, temperature=temperature, input_tokens=input_tokens,
+            conversation_id=conversation_id, extra=extra) as span:
         for event in events:
             generated = getattr(event, "generated_tokens", None)
             if generated is not None:

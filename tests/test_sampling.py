@@ -102,3 +102,10 @@ def test_truncate_top_k_is_renormalised_support():
     sparse = truncate_top_k(probs, 2)
     assert sparse.ids.tolist() == [1, 3]
     assert torch.allclose(sparse.probs, torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    probs = process_logits(logits, SamplingParams(temperature=1e-38))
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+    assert sample(probs, 0.999) == 1
