@@ -266,6 +266,9 @@ class Coordinator:
             observer=self.observer,
         )
         done = False
+        # An event counts as delivered once the consumer asks for the next one: the
+        # servicer drops the event of a step that finished after the client left.
+        delivered = start_len
         try:
             for result in rounds:
                 gammas.append(result.gamma)
@@ -279,6 +282,7 @@ class Coordinator:
                     finish = "stop"
                 if kept or delta:
                     yield Delta(kept, delta)
+                delivered = len(state.tokens)
                 if finish == "stop":
                     break
                 finish = result.finish_reason or finish
@@ -292,6 +296,8 @@ class Coordinator:
         finally:
             rounds.close()
             elapsed = time.perf_counter() - started
+            if not done:  # keep no tokens in the history that the client never got
+                del state.tokens[delivered:]
             record.tokens = state.tokens
             # A failed round may have left its id recorded in one service: skip it.
             record.next_round_id = ids.next_id + (0 if done else 1)
