@@ -7,5 +7,5 @@ from specdec.decoder import GenerationOutput, SpeculativeDecoder
 from specdec.sampling import SamplingParams
 from specdec.client import Client  # noqa: E402  (the coordinator client; see specdec/client.py)
 
-__all__ = ["GenerationOutput", "SamplingParams", "SpeculativeDecoder"]
+__all__ = ["Client", "GenerationOutput", "SamplingParams", "SpeculativeDecoder"]
 __version__ = "0.1.0"

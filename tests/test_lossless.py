@@ -8,7 +8,6 @@ decoder, the round loop, drafting, verification and sampling all run for real.
 """
 
 import dataclasses
-import itertools
 import random
 
 import pytest

@@ -2,7 +2,6 @@
 rejection-sampler tests: exact greedy cases, edge cases of the stochastic rule,
 seeded determinism, and a statistical check of one step against p."""
 
-import pytest
 import torch
 from scipy import stats
 
