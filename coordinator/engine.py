@@ -25,7 +25,7 @@ from specdec import errors
 from specdec.config import CoordinatorConfig
 from specdec import gamma as gamma_policies
 from specdec.gamma import AdaptiveGamma, GammaPolicy, StaticGamma
-from specdec.model_runner import vocabulary_fingerprint
+from specdec.model_runner import check_same_vocabulary, check_token_ids, vocabulary_fingerprint
 from specdec.rounds import SessionState, run_rounds
 from specdec.sampling import SamplingParams
 from specdec.telemetry import RoundObserver, observe_generation
@@ -107,15 +107,11 @@ class Coordinator:
         if self._pair is None:
             d, t = self.draft.model_info(), self.target.model_info()
             where = (f"draft {d.model_name!r} at {self.draft.address}", f"target {t.model_name!r} at {self.target.address}")
-            if d.vocab_size != t.vocab_size:
-                raise errors.FailedPrecondition(
-                    f"vocabulary mismatch: {where[0]} has {d.vocab_size} tokens, {where[1]} has {t.vocab_size}"
-                )
-            if d.vocab_fingerprint != t.vocab_fingerprint:
-                raise errors.FailedPrecondition(
-                    f"tokenizer mismatch: {where[0]} (fingerprint {d.vocab_fingerprint}) and {where[1]} "
-                    f"(fingerprint {t.vocab_fingerprint}) map token ids differently"
-                )
+            try:
+                check_same_vocabulary(where[0], d.vocab_size, d.vocab_fingerprint,
+                                      where[1], t.vocab_size, t.vocab_fingerprint)
+            except ValueError as e:
+                raise errors.FailedPrecondition(str(e)) from None
             if self.tokenizer_dir is not None and (self.tokenizer_dir / "tokenizer.json").is_file():
                 mine = vocabulary_fingerprint(self.tokenizer_dir, t.vocab_size)
                 if mine != t.vocab_fingerprint:
@@ -206,9 +202,10 @@ class Coordinator:
                 raise errors.InvalidRequest("prompt is empty after tokenization")
         else:
             ids = list(job.prompt_ids)
-        for i, t in enumerate(ids):
-            if not 0 <= t < pair.vocab_size:
-                raise errors.InvalidRequest(f"prompt_ids[{i}] = {t} is outside the vocabulary [0, {pair.vocab_size})")
+        try:
+            check_token_ids(ids, pair.vocab_size, "prompt_ids")
+        except ValueError as e:
+            raise errors.InvalidRequest(str(e)) from None
         return ids, policy
 
     def generate(self, job: GenerateJob) -> Iterator[Delta | GenerationStats]:
@@ -330,11 +327,12 @@ class Coordinator:
             accepted_tokens=sum(accepted), gammas=gammas, accepted_per_round=accepted,
             elapsed_s=elapsed, tokens_per_second=generated / elapsed if elapsed > 0 else 0.0,
             target_prefill_tokens=target_stats.prefill_tokens, draft_prefill_tokens=draft_stats.prefill_tokens,
-            draft_compute_s=draft_stats.compute_s, target_compute_s=target_stats.compute_s,
-            queue_s=draft_stats.queue_s + target_stats.queue_s, copy_s=draft_stats.copy_s + target_stats.copy_s,
+            draft_compute_s=draft_stats.total("compute_s"), target_compute_s=target_stats.total("compute_s"),
+            queue_s=draft_stats.total("queue_s") + target_stats.total("queue_s"),
+            copy_s=draft_stats.total("copy_s") + target_stats.total("copy_s"),
             draft_network_s=draft_stats.network_s, target_network_s=target_stats.network_s,
-            bytes_sent=draft_stats.bytes_sent + target_stats.bytes_sent,
-            bytes_received=draft_stats.bytes_received + target_stats.bytes_received,
+            bytes_sent=int(draft_stats.total("bytes_out") + target_stats.total("bytes_out")),
+            bytes_received=int(draft_stats.total("bytes_in") + target_stats.total("bytes_in")),
         )
 
     @staticmethod

@@ -21,7 +21,7 @@ from typing import Iterator
 import grpc
 
 from specdec import errors, proto_convert as conv
-from specdec.telemetry import instrument_client_channel
+from specdec.telemetry import RpcRecord, instrument_client_channel
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.rounds import DraftToken, SessionState
 from specdec.sampling import SamplingParams
@@ -101,34 +101,21 @@ def _details(e: grpc.RpcError) -> str:
 
 @dataclasses.dataclass
 class SideStats:
-    """What one service did for one request, from the timings it reports."""
+    """What one service did for one request: its calls as the coordinator saw
+    them, each with the service's own account (:class:`specdec.telemetry.RpcRecord`)."""
 
     prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
-    computed_tokens: int = 0
-    calls: int = 0
     refills: int = 0  # calls repeated from position 0 after NOT_FOUND
-    compute_s: float = 0.0
-    queue_s: float = 0.0
-    copy_s: float = 0.0
-    waited_s: float = 0.0  # from sending each call to holding its whole reply
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    calls: list[RpcRecord] = dataclasses.field(default_factory=list)
 
-    def add_call(self, timing: pb.ServerTiming, waited_s: float, sent: int, received: int) -> None:
-        self.calls += 1
-        self.computed_tokens += timing.computed_tokens
-        self.compute_s += timing.compute_s
-        self.queue_s += timing.queue_s
-        self.copy_s += timing.copy_s
-        self.waited_s += waited_s
-        self.bytes_sent += sent
-        self.bytes_received += received
+    def total(self, field: str) -> float:
+        return sum(getattr(c, field) for c in self.calls)
 
     @property
     def network_s(self) -> float:
         """Network + serialisation: what the coordinator waited beyond the
-        service's own time (queue, compute, copies)."""
-        return max(0.0, self.waited_s - self.queue_s - self.compute_s - self.copy_s)
+        service's own time (queue, compute, copies), summed over calls."""
+        return self.total("network_s")
 
 
 @dataclasses.dataclass
@@ -205,10 +192,10 @@ class RemoteProposer:
                  sent: int, received: int) -> None:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
-        if s.calls == 0 or refill:
+        if not s.calls or refill:
             s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
         s.refills += refill
-        s.add_call(timing, waited_s, sent, received)
+        s.calls.append(RpcRecord.of_call("draft", waited_s, timing, sent, received))
 
 
 class RemoteVerifier:
@@ -236,9 +223,9 @@ class RemoteVerifier:
                     new_tokens = self.state.tokens[:position] + list(new_tokens)
                     position = self.state.target_synced = 0
         s = self.stats
-        if s.calls == 0 or retries.refilled:  # history the target lacked = all it ran but the drafts
+        if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.refills += retries.refilled
-        s.add_call(response.timing, waited, request.ByteSize(), response.ByteSize())
+        s.calls.append(RpcRecord.of_call("target", waited, response.timing, request.ByteSize(), response.ByteSize()))
         self.ids.next_id += 1  # Verify ends the round
         return Verdict(accepted=response.accepted, next_token=response.next_token)

@@ -10,7 +10,7 @@ import time
 
 from specdec.gamma import GammaPolicy, StaticGamma
 from specdec.local import LocalProposer, LocalVerifier
-from specdec.model_runner import ModelRunner
+from specdec.model_runner import ModelRunner, check_same_vocabulary, check_token_ids
 from specdec.rounds import SessionState, run_rounds
 from specdec.sampling import SamplingParams
 
@@ -40,9 +40,7 @@ class GenerationOutput:
 def check_prompt(prompt_ids: list[int], vocab_size: int, context: int) -> None:
     if len(prompt_ids) == 0:
         raise ValueError("prompt is empty: give at least one token")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    check_token_ids(prompt_ids, vocab_size, "prompt_ids")
     if len(prompt_ids) >= context:
         raise ValueError(
             f"prompt of {len(prompt_ids)} tokens does not fit the model context of {context} "
@@ -52,15 +50,8 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, context: int) -> None:
 
 def check_pair(target: ModelRunner, draft: ModelRunner) -> None:
     """Draft and target must map ids to the same tokens."""
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: draft has {draft.vocab_size} tokens, target has {target.vocab_size}"
-        )
-    if draft.fingerprint != target.fingerprint:
-        raise ValueError(
-            f"tokenizer mismatch: draft {draft.path} and target {target.path} have different vocabularies "
-            f"(fingerprints {draft.fingerprint} vs {target.fingerprint})"
-        )
+    check_same_vocabulary(f"draft {draft.path}", draft.vocab_size, draft.fingerprint,
+                          f"target {target.path}", target.vocab_size, target.fingerprint)
 
 
 def _runner(model, device: str, dtype: str) -> ModelRunner:

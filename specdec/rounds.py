@@ -81,6 +81,8 @@ class RoundResult:
 
 def dense_rows(qs: list[Distribution], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Stack draft distributions into a dense [γ, V] float32 tensor."""
+    if qs and not any(isinstance(q, SparseDist) for q in qs):
+        return torch.stack(qs).to(device, torch.float32)  # already dense: one op
     out = torch.zeros(len(qs), vocab_size, dtype=torch.float32, device=device)
     for i, q in enumerate(qs):
         if isinstance(q, SparseDist):

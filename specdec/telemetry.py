@@ -57,6 +57,12 @@ class RpcRecord:
     bytes_out: int = 0
     bytes_in: int = 0
 
+    @classmethod
+    def of_call(cls, side: str, observed_s: float, timing, bytes_out: int, bytes_in: int) -> "RpcRecord":
+        """From a reply's ServerTiming (``specdec.v1.ServerTiming``)."""
+        return cls(side, observed_s, timing.queue_s, timing.compute_s, timing.copy_s, timing.computed_tokens,
+                   bytes_out, bytes_in)
+
     @property
     def server_s(self) -> float:
         return self.queue_s + self.compute_s + self.copy_s
@@ -111,8 +117,7 @@ class RpcTimingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
             self._record(span, scope, time.perf_counter() - start, bytes_out, bytes_in, timing)
 
     def _record(self, span, scope, observed_s, bytes_out, bytes_in, timing) -> None:
-        rec = RpcRecord(self.side, observed_s, timing.queue_s, timing.compute_s, timing.copy_s,
-                        timing.computed_tokens, bytes_out, bytes_in)
+        rec = RpcRecord.of_call(self.side, observed_s, timing, bytes_out, bytes_in)
         if span.is_recording():
             span.set_attributes({
                 "specdec.server.queue_s": rec.queue_s,

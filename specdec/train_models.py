@@ -532,13 +532,3 @@ def run(args) -> int:
     write_split_file(out, train_files, held_files, root)
     print(f"[train-models] done in {(time.monotonic() - t_start) / 60:.1f} min -> {out}", flush=True)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec train-models", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -59,6 +59,9 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
             assert out.stats.generated_tokens == 8
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+    except BaseException:
+        print("serve log:\n" + (tmp_path / "serve.log").read_text())  # shown by pytest on failure
+        raise
     finally:
         if proc.poll() is None:
             proc.kill()
