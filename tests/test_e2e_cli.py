@@ -40,6 +40,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     import signal
     import subprocess
     import sys
+    import time
 
     from specdec.client import Client
     from specdec.server import free_port
@@ -53,6 +54,13 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
+        # Wait for serve's own banner (it prints it once all three health checks
+        # pass); a SIGTERM before then is "stop before started", a different path.
+        deadline = time.monotonic() + 180
+        while "specdec serve: coordinator on" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None, "serve exited early"
+            assert time.monotonic() < deadline, "serve did not print its banner"
+            time.sleep(0.1)
         with Client(f"127.0.0.1:{ports[0]}", timeout=30) as client:
             client.wait_ready(timeout=120)
             out = client.complete(prompt_ids=[100, 101], max_new_tokens=8)
