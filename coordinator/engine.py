@@ -259,7 +259,8 @@ class Coordinator:
         rounds = run_rounds(
             proposer, verifier, state,
             max_new_tokens=job.max_new_tokens, params=params, gamma_policy=policy,
-            eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context, draft_top_k=job.draft_top_k,
+            eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context,
+            draft_top_k=min(job.draft_top_k or self.config.default_draft_top_k, pair.vocab_size),
             observer=self.observer,
         )
         done = False

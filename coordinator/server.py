@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gamma-policy", "default_gamma_policy", "gamma policy for requests that name none: "
         "static:N | heuristic | adaptive")
     add("--gamma-max", "gamma_max", "largest gamma a policy may use", type=int)
+    add("--draft-top-k", "default_draft_top_k", "under sampling, the draft samples from its top-k and sends only "
+        "that support (exact, far fewer bytes); for requests that set no draft_top_k; 0 = dense q", type=int)
     add("--call-timeout", "call_timeout_s", "deadline of each Propose/Verify call", type=float, metavar="SECONDS")
     add("--info-timeout", "info_timeout_s", "deadline of GetModelInfo/EndSession calls", type=float,
         metavar="SECONDS")

@@ -35,7 +35,11 @@ import torch
 
 IN_PROCESS_CORES = "in-process: 1 process on core 1, 1 torch thread"
 DISTRIBUTED_CORES = ("draft service on core 0, target service on core 1, coordinator, proxies and client "
-                     "on core 0; 1 torch thread each")
+                     "on core 1; 1 torch thread each")
+# The coordinator's work (receiving drafts, forwarding them, streaming tokens out)
+# happens while the target waits for them, so it shares the target's core and the
+# draft's core is left to drafting.
+COORDINATOR_CORE = 1
 
 
 def pin(core: int) -> None:
@@ -156,7 +160,7 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) ->
                 port = free_port()
                 procs.start(f"netem-{name}-{rtt:g}ms", [
                     "netem", "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--delay-ms", str(rtt / 2),
-                ], core=0)
+                ], core=COORDINATOR_CORE)
                 if name == "draft":
                     draft_addr = f"127.0.0.1:{port}"
                 else:
@@ -165,7 +169,7 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) ->
         procs.start(f"coordinator-{rtt:g}ms", [
             "coordinator", "--draft", draft_addr, "--target", target_addr, "--port", str(port),
             "--tokenizer", str(target_dir),
-        ], core=0)
+        ], core=COORDINATOR_CORE)
         coordinators[rtt] = f"127.0.0.1:{port}"
     return coordinators
 
@@ -258,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
                 rng.shuffle(order)
                 for c in order:
                     # In-process rows run on core 1; as the client of distributed rows this
-                    # process stays off the target's core.
-                    pin(0 if c.kind == "distributed" else 1)
+                    # process sits with the coordinator, off the draft's core.
+                    pin(1 if c.kind != "distributed" else COORDINATOR_CORE)
                     if c.kind in ("target-only", "in-process"):
                         run_ours(dec, prompt, new_tokens, sampling, policies[c], totals[c])
                     elif c.kind == "hf-assisted":

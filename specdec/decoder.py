@@ -8,6 +8,7 @@ import dataclasses
 import os
 import time
 
+from specdec.config import DEFAULT_DRAFT_TOP_K
 from specdec.gamma import GammaPolicy, StaticGamma
 from specdec.local import LocalProposer, LocalVerifier
 from specdec.model_runner import ModelRunner, check_same_vocabulary, check_token_ids
@@ -93,10 +94,13 @@ class SpeculativeDecoder:
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
         gamma: int | GammaPolicy = 4,
-        draft_top_k: int = 0,
+        draft_top_k: int = DEFAULT_DRAFT_TOP_K,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``. ``gamma`` is a
-        fixed count or a policy; 0 (or no draft model) is plain target decoding."""
+        fixed count or a policy; 0 (or no draft model) is plain target decoding.
+        Under sampling the draft samples from its top ``draft_top_k`` tokens
+        (0: its whole distribution) -- exact either way; the default equals the
+        coordinator's, so a seed gives the same tokens in-process and distributed."""
         params = (sampling or SamplingParams()).with_seed()
         policy = StaticGamma(gamma) if isinstance(gamma, int) else gamma
         if isinstance(gamma, int) and gamma < 0:

@@ -13,7 +13,10 @@ Pipeline (each phase is resumable from the work directory):
                a fixed ~5 % of files (hash of the relative path) is held out.
 2. tokenizer-- byte-level BPE (vocab 4096) trained on the training files only.
 3. target   -- an 8-layer Llama trained with plain next-token cross-entropy.
-4. draft    -- a 1-layer Llama distilled from the target: KL(target || draft).
+4. draft    -- a 1-layer Llama distilled from the target: KL(target || draft),
+               first on corpus windows (off-policy), then on the target's own
+               greedy continuations of corpus prefixes (on-policy): those are the
+               sequences the draft must predict during speculative decoding.
 5. export   -- both saved in bf16, Hugging Face format, with the tokenizer.
 
 Reproducibility: seeds are fixed and the data order is a pure function of
@@ -66,8 +69,11 @@ DRAFT_CONFIG = dict(
 
 # Share of --minutes given to each training phase; the rest covers tokenizer
 # training, corpus encoding, evaluation and export.
-TARGET_SHARE = 0.62
-DRAFT_SHARE = 0.31
+TARGET_SHARE = 0.60
+DRAFT_SHARE = 0.12  # off-policy distillation on corpus windows
+ONPOLICY_SHARE = 0.22  # on-policy distillation on the target's greedy continuations
+ONPOLICY_PREFIX = 128  # corpus tokens before each continuation
+ONPOLICY_NEW = 128  # greedy tokens the target adds to each prefix
 
 
 # --------------------------------------------------------------------------- corpus
@@ -232,6 +238,32 @@ class WindowSampler:
         return torch.stack(rows).long()
 
 
+class GreedyContinuationSampler:
+    """Batches of corpus prefixes continued greedily by the target (on-policy data).
+
+    Under greedy speculative decoding the draft only ever sees the target's own
+    greedy output, so that is the distribution to distil on (DistillSpec, Zhou et
+    al. 2023).  Batch ``step`` is a pure function of (seed, step) and the target's
+    weights: the prefixes come from a ``WindowSampler`` and greedy decoding is
+    deterministic.  EOS is suppressed so every row has the same length.
+    """
+
+    def __init__(self, teacher, tokens: torch.Tensor, batch_size: int, seed: int,
+                 prefix_len: int = ONPOLICY_PREFIX, new_tokens: int = ONPOLICY_NEW):
+        self.teacher = teacher
+        self.prefixes = WindowSampler(tokens, batch_size, seed, seq_len=prefix_len - 1)
+        self.prefix_len = prefix_len
+        self.new_tokens = new_tokens
+        self.seq_len = prefix_len + new_tokens - 1  # inputs per row, as WindowSampler counts them
+
+    @torch.no_grad()
+    def batch(self, step: int) -> torch.Tensor:
+        prefixes = self.prefixes.batch(step)
+        return self.teacher.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes),
+                                     do_sample=False, max_new_tokens=self.new_tokens,
+                                     min_new_tokens=self.new_tokens, pad_token_id=0)
+
+
 # ------------------------------------------------------------------------ training
 
 
@@ -275,16 +307,18 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
-def distill_loss(draft, teacher, batch: torch.Tensor) -> torch.Tensor:
-    """KL(p_target || q_draft), averaged over positions.
+def distill_loss(draft, teacher, batch: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """KL(p_target || q_draft), averaged over the positions from ``start`` on.
 
     Forward KL puts the draft's mass where the target's is, which is what raises
     the chance that the draft's argmax equals the target's argmax (greedy α).
+    ``start`` skips the corpus prefix of on-policy rows: only the predictions of
+    the target's own tokens count there.
     """
     inputs = batch[:, :-1]
     with torch.no_grad():
-        t_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
-    d_logp = F.log_softmax(draft(input_ids=inputs).logits.float(), dim=-1)
+        t_logp = F.log_softmax(teacher(input_ids=inputs).logits[:, start:].float(), dim=-1)
+    d_logp = F.log_softmax(draft(input_ids=inputs).logits[:, start:].float(), dim=-1)
     kl = (t_logp.exp() * (t_logp - d_logp)).sum(-1)
     return kl.mean()
 
@@ -296,7 +330,7 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def train_phase(model, loss_fn, sampler: WindowSampler, spec: PhaseSpec, ckpt: Path,
+def train_phase(model, loss_fn, sampler: WindowSampler | GreedyContinuationSampler, spec: PhaseSpec, ckpt: Path,
                 checkpoint_every_s: float = 120.0) -> dict:
     """Run one phase to the end of its schedule, resuming from ``ckpt`` if present.
 
@@ -428,7 +462,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: the package's bundled models dir)")
     parser.add_argument("--minutes", type=float, default=55.0,
                         help=f"total time budget in minutes (default 55): {TARGET_SHARE * 100:.0f}%% target "
-                             f"training, {DRAFT_SHARE * 100:.0f}%% draft distillation, the rest data and export")
+                             f"training, {DRAFT_SHARE * 100:.0f}%% + {ONPOLICY_SHARE * 100:.0f}%% draft "
+                             "distillation (corpus, then the target's greedy output), the rest data and export")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="checkpoints for resuming (default: ~/.cache/specdec/train-models/<hash of out>)")
     parser.add_argument("--wall-cap", type=float, default=1.5,
@@ -442,12 +477,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step-based schedule for the target (bit-for-bit reproducible)")
     parser.add_argument("--draft-steps", type=int, default=None,
                         help="step-based schedule for the draft (bit-for-bit reproducible)")
+    parser.add_argument("--onpolicy-steps", type=int, default=None,
+                        help="step-based schedule for the draft's on-policy phase (bit-for-bit reproducible)")
 
 
 def _run_settings(args) -> dict:
     return dict(minutes=args.minutes, seed=args.seed, target_steps=args.target_steps,
-                draft_steps=args.draft_steps, target=TARGET_CONFIG, draft=DRAFT_CONFIG,
-                vocab=VOCAB_SIZE, seq_len=SEQ_LEN)
+                draft_steps=args.draft_steps, onpolicy_steps=args.onpolicy_steps,
+                target=TARGET_CONFIG, draft=DRAFT_CONFIG, vocab=VOCAB_SIZE, seq_len=SEQ_LEN,
+                shares=[TARGET_SHARE, DRAFT_SHARE, ONPOLICY_SHARE], onpolicy=[ONPOLICY_PREFIX, ONPOLICY_NEW])
 
 
 def _prepare_work_dir(work: Path, settings: dict, fresh: bool) -> None:
@@ -517,8 +555,14 @@ def run(args) -> int:
                        batch_size=4, seed=args.seed + 1, wall_cap=args.wall_cap)
     d_summary = train_phase(draft, lambda m, b: distill_loss(m, target, b),
                             WindowSampler(data["train"], 4, args.seed + 1), d_spec, work / "draft.ckpt")
-    d_summary["held_out_loss"] = round(held_out_loss(draft, data["held"]), 4)
-    print(f"[draft] {d_summary}", flush=True)
+    print(f"[draft] off-policy {d_summary}", flush=True)
+    o_spec = PhaseSpec("draft-onpolicy", budget * ONPOLICY_SHARE, args.onpolicy_steps, lr=1e-3,
+                       batch_size=16, seed=args.seed + 2, wall_cap=args.wall_cap)
+    o_summary = train_phase(draft, lambda m, b: distill_loss(m, target, b, start=ONPOLICY_PREFIX - 1),
+                            GreedyContinuationSampler(target, data["train"], 16, args.seed + 2),
+                            o_spec, work / "draft-onpolicy.ckpt")
+    print(f"[draft] on-policy {o_summary}", flush=True)
+    d_summary = dict(d_summary, held_out_loss=round(held_out_loss(draft, data["held"]), 4), onpolicy=o_summary)
 
     common = dict(seed=args.seed, threads=args.threads, minutes=args.minutes,
                   python=sys.version.split()[0], torch=torch.__version__,

@@ -178,9 +178,13 @@ def test_stats_split_round_time_and_count_bytes(client, reference):
         assert s.draft_network_s >= 0 and s.target_network_s >= 0
         assert s.draft_compute_s + s.target_compute_s + s.network_s <= s.elapsed_s
         assert s.bytes_sent > 0 and s.bytes_received > 0
-    # Sampling ships each draft's q (dense: vocab × 4 bytes) to the target and back.
-    vocab = reference[0].target.vocab_size
-    assert sampled.bytes_per_round > greedy.bytes_per_round + vocab * 4
+    # Sampling ships each draft's q to the target and back, as (id, prob) pairs:
+    # by default its top DEFAULT_DRAFT_TOP_K (above this vocabulary of 260: all of
+    # it), with draft_top_k=16 far fewer bytes.
+    assert sampled.bytes_per_round > greedy.bytes_per_round + 3 * 200 * 4
+    small = client.complete(prompt_ids=ids, max_new_tokens=32, gamma_policy="static:3", temperature=1.0, seed=5,
+                            draft_top_k=16).stats
+    assert small.bytes_per_round + 3 * 200 * 4 < sampled.bytes_per_round
 
 
 def test_text_deltas_are_streamed_per_round_and_whole(client, reference):

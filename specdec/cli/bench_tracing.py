@@ -11,13 +11,19 @@ client-observed tokens/s are compared. Because wall-clock rates on a shared
 machine swing with everyone else's load, it also reports tokens per CPU-second
 of each stack's three processes (from /proc), which other load barely moves.
 
-Everything (both stacks, the receiver, this client) is pinned to the same CPU
-set, one core by default (``--cpus``). On a shared machine, unpinned stacks land
-on different cores and two *identical* stacks then differ by up to 2x; pinned,
-they agree within 1%. Pinning also makes the comparison unfavourable to tracing,
-as it should be: the exporters' background threads and the OTLP receiver (which
-a real deployment runs elsewhere) share the very core the traced stack computes
-on.
+Processes are pinned (``--cpus``), because on a shared machine unpinned stacks
+land on different cores and two *identical* stacks then differ by up to 2x;
+pinned, they agree within a few %. Two layouts:
+
+* one core (``last``, the default): everything -- both stacks, the receiver,
+  this client -- on the same CPU. The most unfavourable to tracing: every
+  exporter thread and the OTLP receiver (which a real deployment runs elsewhere)
+  take time from the very core the models compute on.
+* ``per-service``: as in a deployment, each service has its own core -- in each
+  stack the draft on the first CPU, the target on the last -- and the
+  coordinator, the receiver and this client share the target's (the
+  coordinator waits while the target computes). Only one stack serves at a
+  time, so both see the same layout.
 """
 
 from __future__ import annotations
@@ -55,14 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, metavar="DIR", help="logs and the trace file (default: a temp dir)")
     p.add_argument("--cpus", default="last", metavar="LIST",
                    help="CPUs every process is pinned to: comma-separated ids, 'last' (the highest-numbered "
-                        "CPU; default) or 'all' (no pinning)")
+                        "CPU; default), 'per-service' (draft on the first CPU; target, coordinator, receiver "
+                        "and client on the last) or 'all' (no pinning)")
 
 
 def pin(spec: str) -> set[int] | None:
-    """Pin this process (and so every child it starts) to the CPUs ``spec`` names."""
+    """Pin this process (and so every child it starts) to the CPUs ``spec`` names
+    (with ``per-service``, the target's; see :func:`service_cpus` for the rest)."""
     available = sorted(os.sched_getaffinity(0))
     if spec == "all":
         return None
+    if spec == "per-service":
+        spec = "last"
     try:
         cpus = {available[-1]} if spec == "last" else {int(x) for x in spec.split(",") if x.strip()}
     except ValueError:
@@ -71,6 +81,16 @@ def pin(spec: str) -> set[int] | None:
         raise ValueError(f"--cpus {spec!r}: this process may use CPUs {available}")
     os.sched_setaffinity(0, cpus)
     return cpus
+
+
+def service_cpus(spec: str) -> dict[str, set[int]] | None:
+    """``per-service``: draft on the first CPU, target and coordinator on the last."""
+    if spec != "per-service":
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        raise ValueError("--cpus per-service needs at least 2 CPUs")
+    return {"draft": {available[0]}, "target": {available[-1]}, "coordinator": {available[-1]}}
 
 
 @contextlib.contextmanager
@@ -87,7 +107,7 @@ def _environ(set_: dict[str, str], unset: tuple[str, ...] = TRACING_ENV):
         os.environ.update(saved)
 
 
-def _start(name: str, env: dict[str, str], args, target, draft, workdir: pathlib.Path):
+def _start(name: str, env: dict[str, str], args, target, draft, workdir: pathlib.Path, cpus):
     from specdec.cli.serve import Stack
     from specdec.server import free_port
 
@@ -95,7 +115,7 @@ def _start(name: str, env: dict[str, str], args, target, draft, workdir: pathlib
     with _environ(env):
         return Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer,
                      devices={"draft": args.device_draft, "target": args.device_target},
-                     log=workdir / f"{name}.log")
+                     log=workdir / f"{name}.log", cpus=cpus)
 
 
 def _abba(requests: int, block: int) -> list[str]:
@@ -139,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.otlp_receiver import OtlpReceiver
 
     target, draft = model_dirs(args)
+    roles = service_cpus(args.cpus)
     cpus = pin(args.cpus)
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="specdec-bench-tracing-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -163,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         traced_env["SPECDEC_TRACE_FILE"] = str(trace_file)
     stacks = {}
     try:
-        stacks["off"] = _start("off", {}, args, target, draft, workdir)
-        stacks["on"] = _start("on", traced_env, args, target, draft, workdir)
+        stacks["off"] = _start("off", {}, args, target, draft, workdir, roles)
+        stacks["on"] = _start("on", traced_env, args, target, draft, workdir, roles)
         for stack in stacks.values():
             stack.wait_serving()
         clients = {name: Client(s.address("coordinator")) for name, s in stacks.items()}
@@ -193,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     lines = trace_file.read_text().count("\n") if trace_file.is_file() else 0
     print(f"tracing overhead: {args.requests} requests per stack of {tokens} tokens each ({args.gamma_policy}, "
           f"greedy), ABBA blocks of {args.block}; models {target} / {draft}; "
-          f"{'CPUs ' + ','.join(map(str, sorted(cpus))) if cpus else 'not pinned'}")
+          f"{_layout(roles, cpus)}")
     print(f"  tracing off                        {off:8.1f} tok/s  (median; min {min(rates['off']):.1f}, "
           f"max {max(rates['off']):.1f})")
     sampled = "" if args.sample >= 1.0 else f", {args.sample:g} sampled"
@@ -208,3 +229,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  exported: {len(receiver.spans)} spans over OTLP in {receiver.exports} batches, "
           f"{lines} spans to {trace_file}")
     return 0
+
+
+def _layout(roles: dict[str, set[int]] | None, cpus: set[int] | None) -> str:
+    if roles:
+        return "pinned per service: " + ", ".join(f"{r} CPU {min(c)}" for r, c in roles.items()) + \
+            ", receiver and client with the target"
+    return "everything on CPUs " + ",".join(map(str, sorted(cpus))) if cpus else "not pinned"

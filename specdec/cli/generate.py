@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(--coordinator) static:N | heuristic | adaptive (default: the coordinator's)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="(--coordinator) stop string, may repeat; output ends before it")
+    p.add_argument("--draft-top-k", type=int, default=None, metavar="K",
+                   help="under sampling the draft samples from its top K tokens and sends only those (exact). "
+                        "Default: 64 with --local (0 = the whole distribution), the coordinator's --draft-top-k "
+                        "with --coordinator")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_arguments(p)
 
@@ -73,7 +77,8 @@ def _run_local(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
-    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma)
+    top_k = {} if args.draft_top_k is None else {"draft_top_k": args.draft_top_k}
+    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma, **top_k)
     if args.json:
         record = {
             "token_ids": out.token_ids,
@@ -108,7 +113,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     request = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, gamma_policy=args.gamma_policy, stop=args.stop,
-        session_id=args.session,
+        session_id=args.session, draft_top_k=args.draft_top_k or 0,
     )
     if args.prompt_ids is not None:
         request["prompt_ids"] = parse_prompt_ids(args.prompt_ids)

@@ -92,11 +92,12 @@ def child_env(threads: int | None = None) -> dict[str, str]:
 
 class Stack:
     """The three service processes. ``log`` is where their output goes (None:
-    this process's stdout/stderr)."""
+    this process's stdout/stderr); ``cpus`` pins a role's process to CPUs (None:
+    inherited)."""
 
     def __init__(self, *, target: pathlib.Path, draft: pathlib.Path, ports: dict[str, int],
                  devices: dict[str, str], tokenizer: str | None = None, drain_grace: float = 30.0,
-                 log: pathlib.Path | None = None):
+                 log: pathlib.Path | None = None, cpus: dict[str, set[int]] | None = None):
         self.ports = ports
         self.log_path = log
         out = open(log, "ab") if log is not None else None
@@ -107,15 +108,20 @@ class Stack:
         # the services in order.
         kw = dict(stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         threads = cpu_threads(devices)
+
+        def pinned(role: str) -> dict:
+            mask = (cpus or {}).get(role)
+            return {"preexec_fn": lambda: os.sched_setaffinity(0, mask)} if mask else {}
+
         try:
             for role, model in (("draft", draft), ("target", target)):
                 self.procs[role] = subprocess.Popen(
                     [*cli, f"{role}-service", "--model", str(model), "--device", devices[role],
-                     "--port", str(ports[role]), *common], env=child_env(threads[role]), **kw)
+                     "--port", str(ports[role]), *common], env=child_env(threads[role]), **kw, **pinned(role))
             self.procs["coordinator"] = subprocess.Popen(
                 [*cli, "coordinator", "--draft", self.address("draft"), "--target", self.address("target"),
                  "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common],
-                env=child_env(1), **kw)
+                env=child_env(1), **kw, **pinned("coordinator"))
         except BaseException:
             self.stop()
             raise
