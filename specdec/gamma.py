@@ -92,10 +92,13 @@ class RoundCost:
         return draft + self.verify_fixed + self.verify_per_token * gamma
 
 
-def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int) -> int:
-    """The γ in [0, gamma_max] maximising expected tokens per second."""
+def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int, min_gain: float = 0.0) -> int:
+    """The γ in [0, gamma_max] maximising expected tokens per second; 0 unless
+    drafting beats it by more than ``min_gain`` (a fraction)."""
     # The floor keeps a fit that has not seen enough rounds from dividing by zero.
-    return max(range(gamma_max + 1), key=lambda g: expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9))
+    rates = [expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9) for g in range(gamma_max + 1)]
+    best = max(range(gamma_max + 1), key=rates.__getitem__)
+    return best if rates[best] > (1 + min_gain) * rates[0] else 0
 
 
 # ----------------------------------------------------------------- estimators
@@ -145,9 +148,12 @@ class AdaptiveGamma:
     Rounds that began with a pre-fill (a new prompt, or a side catching up after
     γ = 0 rounds) teach acceptance but not cost.
 
-    γ = 0 (plain target decoding) is chosen when speculation does not pay; one
-    round in ``probe_every`` then still drafts a token, so that a change in
-    acceptance or cost is noticed.
+    γ = 0 (plain target decoding) is chosen when speculation does not pay, or
+    pays less than ``min_gain`` (5 %): the model leaves out what switching costs
+    (after γ = 0 rounds the draft must first catch up on the tokens it missed)
+    and its estimates are noisy, so a marginal predicted gain is not worth
+    flapping between the two. One round in ``probe_every`` then still drafts, so
+    that a change in acceptance or cost is noticed.
     """
 
     gamma_max: int = 8
@@ -156,6 +162,7 @@ class AdaptiveGamma:
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
     probe_every: int = 16
+    min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         self._tried = [0.0] * self.gamma_max
@@ -188,7 +195,7 @@ class AdaptiveGamma:
         cost = self.cost()
         if cost is None:  # nothing measured yet
             return self.initial_gamma
-        return best_gamma(self.alphas(), cost, self.gamma_max)
+        return best_gamma(self.alphas(), cost, self.gamma_max, self.min_gain)
 
     def choose(self) -> int:
         gamma = self.best()

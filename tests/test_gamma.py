@@ -74,6 +74,17 @@ def test_adaptive_follows_a_change_in_acceptance():
     assert simulate(policy, [0.9] * 8, cost, 600, rng) >= 4
 
 
+def test_a_marginal_gain_from_drafting_is_not_taken():
+    """γ = 1 predicted 2 % faster than plain decoding: not worth the catch-up
+    cost of switching and the estimates' noise, so γ = 0; 10 % faster: drafted."""
+    cost = RoundCost(0.0, 0.002, 0.010, 0.0)
+    # E(1) = 1 + α; rate(1) / rate(0) = (1 + α) * 0.010 / 0.012
+    marginal, clear = 0.02 * 1.2 + 0.2, 0.10 * 1.2 + 0.2
+    assert best_gamma([marginal] * 4, cost, 1) == 1  # the bare argmax drafts
+    assert best_gamma([marginal] * 4, cost, 1, min_gain=0.05) == 0
+    assert best_gamma([clear] * 4, cost, 1, min_gain=0.05) == 1
+
+
 def test_heuristic_schedule():
     h = HeuristicGamma(gamma=5, gamma_max=9)
     h.observe(RoundResult([1] * 6, 5, 5, 0.0, 0.0, None))
