@@ -80,6 +80,15 @@ def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
         raise errors.InvalidRequest(str(e)) from None
 
 
+def _regime(job: GenerateJob) -> tuple:
+    """What acceptance depends on besides the pair: greedy, or the sampling
+    settings (the seed aside) and the draft's top-k."""
+    s = job.sampling
+    if s.temperature == 0:
+        return ("greedy",)
+    return ("sampling", s.temperature, s.top_k, s.top_p, job.draft_top_k)
+
+
 class Coordinator:
     """Drives sessions between one draft service and one target service."""
 
@@ -97,7 +106,7 @@ class Coordinator:
         self._pair: PairInfo | None = None
         self._busy: set[str] = set()
         self._lock = threading.Lock()
-        self._learned_adaptive: AdaptiveGamma | None = None
+        self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime()
 
     # ------------------------------------------------------------- the pair
 
@@ -128,20 +137,22 @@ class Coordinator:
 
     # ------------------------------------------------------------- γ policies
 
-    def _warm_start(self, policy: GammaPolicy) -> GammaPolicy:
+    def _warm_start(self, policy: GammaPolicy, job: GenerateJob) -> GammaPolicy:
         """An adaptive policy starts from the estimates the last finished adaptive
-        request ended with: round costs and acceptance belong to the deployment
-        (network, devices, model pair), so a new request need not learn them again."""
+        request of the same regime ended with: round costs and acceptance belong
+        to the deployment (network, devices, model pair), so a new request need
+        not learn them again -- but acceptance also depends on how tokens are
+        chosen (greedy acceptance can be twice that of sampling)."""
         with self._lock:
-            learned = self._learned_adaptive
+            learned = self._learned_adaptive.get(_regime(job))
         if isinstance(policy, AdaptiveGamma) and learned is not None and learned.gamma_max == policy.gamma_max:
             return copy.deepcopy(learned)
         return policy
 
-    def _remember(self, policy: GammaPolicy) -> None:
+    def _remember(self, policy: GammaPolicy, job: GenerateJob) -> None:
         if isinstance(policy, AdaptiveGamma):
             with self._lock:
-                self._learned_adaptive = policy
+                self._learned_adaptive[_regime(job)] = policy
 
     # ------------------------------------------------------------- sessions
 
@@ -215,7 +226,7 @@ class Coordinator:
         started = time.perf_counter()
         pair = self.pair()
         prompt_ids, policy = self.validate(job, pair)
-        policy = self._warm_start(policy)
+        policy = self._warm_start(policy, job)
         named = bool(job.session_id)
         sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
         self._claim(sid)
@@ -290,7 +301,7 @@ class Coordinator:
                 if tail:
                     yield Delta([], tail)
             done = True
-            self._remember(policy)
+            self._remember(policy, job)
         finally:
             rounds.close()
             elapsed = time.perf_counter() - started

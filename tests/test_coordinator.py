@@ -356,3 +356,35 @@ def test_coordinator_flags_fall_back_to_the_environment(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     assert "SPECDEC_COORDINATOR_DRAFT" in capsys.readouterr().out
+
+
+def test_adaptive_requests_start_from_what_their_regime_learnt():
+    """Greedy acceptance says little about sampling's: a request starts from the
+    estimates of the last request decoding the same way (the seed aside)."""
+    import dataclasses
+
+    from specdec.rounds import RoundResult
+    from specdec.sampling import SamplingParams
+
+    engine = Coordinator(CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2"))
+    try:
+        greedy = GenerateJob(prompt_ids=(1,), gamma_policy="adaptive")
+        sampled = GenerateJob(prompt_ids=(1,), sampling=SamplingParams(temperature=0.8, seed=1))
+        learned = parse_gamma_policy("adaptive", engine.config.gamma_max)
+        for _ in range(20):
+            learned.observe(RoundResult([1, 2, 3, 4, 5], 4, 4, 0.01, 0.01, None, 0.004))
+        engine._remember(learned, greedy)
+
+        def fresh():
+            return parse_gamma_policy("adaptive", engine.config.gamma_max)
+
+        started = engine._warm_start(fresh(), greedy)
+        assert started is not learned and started.alphas() == learned.alphas() != fresh().alphas()
+        assert engine._warm_start(fresh(), sampled).alphas() == fresh().alphas()
+        engine._remember(learned, sampled)
+        other_seed = dataclasses.replace(sampled, sampling=SamplingParams(temperature=0.8, seed=2))
+        assert engine._warm_start(fresh(), other_seed).alphas() == learned.alphas()
+        hotter = dataclasses.replace(sampled, sampling=SamplingParams(temperature=1.0, seed=1))
+        assert engine._warm_start(fresh(), hotter).alphas() == fresh().alphas()
+    finally:
+        engine.close()
