@@ -38,6 +38,7 @@ from coordinator.text import TextStream
 log = logging.getLogger("specdec.coordinator")
 
 MAX_SESSION_ID_LEN = 256
+MAX_LEARNED_REGIMES = 64  # adaptive γ estimates kept for warm starts, one per decoding regime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class GenerateJob:
     gamma_policy: str = ""  # "" = the configured default
     stop: tuple[str, ...] = ()
     session_id: str = ""  # "" = one-shot
-    draft_top_k: int = 0
+    draft_top_k: int | None = None  # None: the coordinator's default; 0: dense q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Coordinator:
         self._pair: PairInfo | None = None
         self._busy: set[str] = set()
         self._lock = threading.Lock()
-        self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime()
+        self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime(), least recent first
 
     # ------------------------------------------------------------- the pair
 
@@ -152,7 +153,10 @@ class Coordinator:
     def _remember(self, policy: GammaPolicy, job: GenerateJob) -> None:
         if isinstance(policy, AdaptiveGamma):
             with self._lock:
+                self._learned_adaptive.pop(_regime(job), None)
                 self._learned_adaptive[_regime(job)] = policy
+                while len(self._learned_adaptive) > MAX_LEARNED_REGIMES:  # clients choose the settings freely
+                    self._learned_adaptive.pop(next(iter(self._learned_adaptive)))
 
     # ------------------------------------------------------------- sessions
 
@@ -202,7 +206,7 @@ class Coordinator:
         if (job.prompt or job.stop) and self.tokenizer is None:
             what = "a text prompt" if job.prompt else "stop strings"
             raise errors.InvalidRequest(f"this coordinator has no tokenizer, so it cannot take {what}: send prompt_ids")
-        if not 0 <= job.draft_top_k <= pair.vocab_size:
+        if job.draft_top_k is not None and not 0 <= job.draft_top_k <= pair.vocab_size:
             raise errors.InvalidRequest(f"draft_top_k must be in [0, {pair.vocab_size}], got {job.draft_top_k}")
         policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, self.config.gamma_max)
         if job.prompt:
@@ -226,6 +230,8 @@ class Coordinator:
         started = time.perf_counter()
         pair = self.pair()
         prompt_ids, policy = self.validate(job, pair)
+        top_k = self.config.default_draft_top_k if job.draft_top_k is None else job.draft_top_k
+        job = dataclasses.replace(job, draft_top_k=min(top_k, pair.vocab_size))  # from here on: the k in force
         policy = self._warm_start(policy, job)
         named = bool(job.session_id)
         sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
@@ -271,7 +277,7 @@ class Coordinator:
             proposer, verifier, state,
             max_new_tokens=job.max_new_tokens, params=params, gamma_policy=policy,
             eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context,
-            draft_top_k=min(job.draft_top_k or self.config.default_draft_top_k, pair.vocab_size),
+            draft_top_k=job.draft_top_k,
             observer=self.observer,
         )
         done = False

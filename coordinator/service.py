@@ -36,7 +36,7 @@ def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
         gamma_policy=request.gamma_policy,
         stop=tuple(request.stop),
         session_id=request.session_id,
-        draft_top_k=request.draft_top_k,
+        draft_top_k=request.draft_top_k if request.HasField("draft_top_k") else None,
     )
 
 

@@ -33,13 +33,15 @@ import time
 
 import torch
 
-IN_PROCESS_CORES = "in-process: 1 process on core 1, 1 torch thread"
-DISTRIBUTED_CORES = ("draft service on core 0, target service on core 1, coordinator, proxies and client "
-                     "on core 1; 1 torch thread each")
+DRAFT_CORE, TARGET_CORE = 0, 1
+IN_PROCESS_CORE = 1
 # The coordinator's work (receiving drafts, forwarding them, streaming tokens out)
 # happens while the target waits for them, so it shares the target's core and the
 # draft's core is left to drafting.
-COORDINATOR_CORE = 1
+COORDINATOR_CORE = TARGET_CORE
+IN_PROCESS_CORES = f"in-process: 1 process on core {IN_PROCESS_CORE}, 1 torch thread"
+DISTRIBUTED_CORES = (f"draft service on core {DRAFT_CORE}, target service on core {TARGET_CORE}, coordinator, "
+                     f"proxies and client on core {COORDINATOR_CORE}; 1 torch thread each")
 
 
 def pin(core: int) -> None:
@@ -150,8 +152,9 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) ->
     """Draft and target once; per RTT a coordinator (through netem proxies when
     RTT > 0). Returns {rtt_ms: coordinator address}."""
     draft_port, target_port = free_port(), free_port()
-    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=0)
-    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)], core=1)
+    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
+    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
+                core=TARGET_CORE)
     coordinators = {}
     for rtt in rtts:
         draft_addr, target_addr = f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}"
@@ -261,9 +264,9 @@ def run(args: argparse.Namespace) -> int:
                 order = configs[:]
                 rng.shuffle(order)
                 for c in order:
-                    # In-process rows run on core 1; as the client of distributed rows this
-                    # process sits with the coordinator, off the draft's core.
-                    pin(1 if c.kind != "distributed" else COORDINATOR_CORE)
+                    # As the client of distributed rows this process sits with the
+                    # coordinator, off the draft's core.
+                    pin(COORDINATOR_CORE if c.kind == "distributed" else IN_PROCESS_CORE)
                     if c.kind in ("target-only", "in-process"):
                         run_ours(dec, prompt, new_tokens, sampling, policies[c], totals[c])
                     elif c.kind == "hf-assisted":
@@ -317,7 +320,7 @@ def format_markdown(record: dict) -> str:
     lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × {record['new_tokens']} tokens.", ""]
     for mode, rows in record["results"].items():
         lines += [f"### {mode}", "",
-                  "| configuration | RTT ms | tok/s | speedup | α | tokens/round | bytes/round | draft | target | network | cores |",
+                  "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round | draft | target | network | cores |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(

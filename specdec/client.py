@@ -83,14 +83,16 @@ class Client:
         gamma_policy: str = "",
         stop: Iterable[str] | str = (),
         session_id: str = "",
-        draft_top_k: int = 0,
+        draft_top_k: int | None = None,
         timeout: float | None = None,
     ) -> Iterator[Delta | Stats]:
         """Stream a completion of ``prompt`` (text) or ``prompt_ids``: a
         :class:`Delta` per round as soon as it is accepted, then one
         :class:`Stats`. ``session_id`` continues a conversation (the prompt is
-        appended to its history; only the new part is pre-filled). Breaking out of
-        the loop cancels the request."""
+        appended to its history; only the new part is pre-filled). Under
+        sampling the draft samples from, and sends, its top ``draft_top_k``
+        tokens (None: the coordinator's ``--draft-top-k``; 0: all of them).
+        Breaking out of the loop cancels the request."""
         sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
         if top_p != 1.0:
             sampling.top_p = top_p
@@ -100,7 +102,7 @@ class Client:
             session_id=session_id, prompt=prompt or "", prompt_ids=list(prompt_ids or ()),
             max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
             stop=[stop] if isinstance(stop, str) else list(stop), draft_top_k=draft_top_k,
-        )
+        )  # draft_top_k=None leaves the optional field unset
         call = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
         try:
             for message in call:

@@ -151,9 +151,10 @@ class AdaptiveGamma:
     γ = 0 (plain target decoding) is chosen when speculation does not pay, or
     pays less than ``min_gain`` (5 %): the model leaves out what switching costs
     (after γ = 0 rounds the draft must first catch up on the tokens it missed)
-    and its estimates are noisy, so a marginal predicted gain is not worth
-    flapping between the two. One round in ``probe_every`` then still drafts, so
-    that a change in acceptance or cost is noticed.
+    and its estimates are noisy, so a marginal predicted gain is not taken. (A
+    single threshold, not hysteresis: near it the choice can still alternate.)
+    One round in ``probe_every`` then still drafts, so that a change in
+    acceptance or cost is noticed.
     """
 
     gamma_max: int = 8

@@ -179,8 +179,8 @@ def test_stats_split_round_time_and_count_bytes(client, reference):
         assert s.draft_compute_s + s.target_compute_s + s.network_s <= s.elapsed_s
         assert s.bytes_sent > 0 and s.bytes_received > 0
     # Sampling ships each draft's q to the target and back, as (id, prob) pairs:
-    # by default its top DEFAULT_DRAFT_TOP_K (above this vocabulary of 260: all of
-    # it), with draft_top_k=16 far fewer bytes.
+    # by default its top DEFAULT_DRAFT_TOP_K (256 of this vocabulary's 260), with
+    # draft_top_k=16 far fewer bytes.
     assert sampled.bytes_per_round > greedy.bytes_per_round + 3 * 200 * 4
     small = client.complete(prompt_ids=ids, max_new_tokens=32, gamma_policy="static:3", temperature=1.0, seed=5,
                             draft_top_k=16).stats
@@ -225,6 +225,11 @@ def test_seeded_sampling_reproducible_and_same_as_in_process(client, reference):
     local = reference[1].generate(ids, max_new_tokens=40, gamma=4, draft_top_k=8,
                                   sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234))
     assert sparse.token_ids == local.token_ids
+    # draft_top_k=0 asks for the dense q, as in process (unset: the coordinator's default)
+    dense = client.complete(gamma_policy="static:4", draft_top_k=0, **kw)
+    local = reference[1].generate(ids, max_new_tokens=40, gamma=4, draft_top_k=0,
+                                  sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234))
+    assert dense.token_ids == local.token_ids
 
 
 def test_multi_turn_session_prefills_only_the_suffix(client, reference):

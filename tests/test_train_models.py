@@ -3,6 +3,8 @@ order, on-policy batches, the distillation loss and bit-exact resuming."""
 
 from __future__ import annotations
 
+import json
+import platform
 import re
 
 import pytest
@@ -21,7 +23,11 @@ def tiny_model(seed: int):
 
 def test_held_out_split_is_the_documented_one():
     """The split rule applied to this interpreter's stdlib gives exactly the file
-    list shipped next to the weights (HELD_OUT.md), and is about 1 in 20."""
+    list shipped next to the weights (HELD_OUT.md), and is about 1 in 20. Only on
+    the Python version that trained them: another stdlib has other files."""
+    trained_on = json.loads((bundled.target_path() / "training.json").read_text())["python"]
+    if platform.python_version() != trained_on:
+        pytest.skip(f"the weights were trained on Python {trained_on}'s stdlib")
     train, held = tm.split_files()
     documented = re.findall(r"^- `(.+)`$", (bundled.models_dir() / "HELD_OUT.md").read_text(), re.M)
     assert held == documented
@@ -30,7 +36,9 @@ def test_held_out_split_is_the_documented_one():
 
 
 def test_held_out_rule_depends_on_the_path_only():
-    assert tm.is_held_out("json/decoder.py") == tm.is_held_out("json/decoder.py")
+    # Files of HELD_OUT.md and files trained on, fixed by sha256 of the path alone.
+    assert all(tm.is_held_out(f) for f in ("_sitebuiltins.py", "asyncio/events.py", "chunk.py"))
+    assert not any(tm.is_held_out(f) for f in ("os.py", "json/decoder.py", "asyncio/tasks.py"))
     flags = [tm.is_held_out(f"pkg/module_{i}.py") for i in range(2000)]
     assert 60 < sum(flags) < 140  # ~5 %
 

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from specdec.config import DEFAULT_DRAFT_TOP_K
+
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     """Sampling flags shared by every command that generates."""
@@ -34,9 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="(--coordinator) stop string, may repeat; output ends before it")
     p.add_argument("--draft-top-k", type=int, default=None, metavar="K",
-                   help="under sampling the draft samples from its top K tokens and sends only those (exact). "
-                        "Default: 64 with --local (0 = the whole distribution), the coordinator's --draft-top-k "
-                        "with --coordinator")
+                   help="under sampling the draft samples from its top K tokens and sends only those (exact); "
+                        f"0 = its whole distribution. Default: {DEFAULT_DRAFT_TOP_K} with --local, the "
+                        "coordinator's --draft-top-k with --coordinator")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_arguments(p)
 
@@ -51,6 +53,8 @@ def parse_prompt_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.prompt is None and args.prompt_ids is None:
         raise ValueError("give a PROMPT or --prompt-ids")
+    if args.draft_top_k is not None and args.draft_top_k < 0:
+        raise ValueError(f"--draft-top-k must be >= 0, got {args.draft_top_k}")
     if args.coordinator:
         return _run_remote(args)
     return _run_local(args)
@@ -113,7 +117,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     request = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, gamma_policy=args.gamma_policy, stop=args.stop,
-        session_id=args.session, draft_top_k=args.draft_top_k or 0,
+        session_id=args.session, draft_top_k=args.draft_top_k,
     )
     if args.prompt_ids is not None:
         request["prompt_ids"] = parse_prompt_ids(args.prompt_ids)
