@@ -24,10 +24,10 @@ ENV_PREFIX = "SPECDEC_"
 
 # Under sampling the draft samples from its top-k tokens and ships that sparse q
 # (exact: q is what it sampled from) as (id, prob) pairs, ~6 bytes each on the
-# wire, against vocab x 4 bytes per draft for a dense q; both cross twice. Truncation changes
-# q, so it can lower acceptance when the draft's distribution is flat: with the
-# bundled pair (t = 0.8, top-p 0.95, γ = 4) accepted/proposed was 0.41 dense,
-# 0.39 at k = 256, 0.32 at k = 64. 0 = dense.
+# wire, against vocab x 4 bytes per draft for a dense q; both cross twice.
+# Truncation changes q, so it can lower acceptance when the draft's distribution
+# is flat: with the bundled pair (t = 0.8, top-p 0.95, γ = 4) accepted/proposed
+# was 0.41 dense, 0.39 at k = 256, 0.32 at k = 64. 0 = dense.
 DEFAULT_DRAFT_TOP_K = 256
 
 
@@ -176,7 +176,7 @@ class CoordinatorConfig:
     max_new_tokens_cap: int = 4096  # requests asking for more are rejected
     max_sessions: int = 100_000  # named sessions remembered; least recently used forgotten beyond
     default_gamma_policy: str = "adaptive"  # used when a request leaves gamma_policy empty
-    default_draft_top_k: int = DEFAULT_DRAFT_TOP_K  # for requests with draft_top_k 0; 0 here: dense q
+    default_draft_top_k: int = DEFAULT_DRAFT_TOP_K  # for requests that set no draft_top_k; 0: dense q
     gamma_max: int = 16  # static:N above this is rejected; heuristic never exceeds it
     call_timeout_s: float = 60.0  # deadline of every Propose / Verify call
     info_timeout_s: float = 10.0  # deadline of GetModelInfo / EndSession calls
