@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from specdec import proto_convert as pc
-from specdec.local import draft_tokens
+from specdec.local import draft_ahead, draft_tokens
 from specdec.model_service import ModelHost, sampling_key
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.rounds import DraftToken
@@ -57,6 +57,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 yield msg
             await job  # γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
+            if gamma and host.config.draft_ahead:
+                # While the target verifies, this device would idle: draft the next
+                # round as if every draft is accepted (the bonus guess, then γ + 2
+                # more: room for the heuristic schedule's growth). Lossless either
+                # way: a later Propose only reuses drafts it would make itself.
+                host.run_in_background(draft_ahead, host.runner, session.state, params, request.draft_top_k,
+                                       gamma + 3)
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)

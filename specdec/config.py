@@ -127,6 +127,7 @@ class ServiceConfig:
     gamma_max: int = 64  # Propose gamma / Verify drafts above this are rejected
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight calls may take to finish
     log_level: str = "INFO"
+    draft_ahead: bool = True  # draft service: draft the next round while the target verifies
 
     def __post_init__(self) -> None:
         if self.role not in ("draft", "target"):

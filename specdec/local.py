@@ -4,7 +4,7 @@ target services and the in-process decoder alike."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 from specdec.model_runner import ModelRunner, Sequence
 from specdec.rounds import DraftToken, dense_rows
@@ -30,23 +30,83 @@ def draft_tokens(
 ) -> Iterator[DraftToken]:
     """Roll ``seq`` back to ``position``, append ``new_tokens``, then sample
     ``gamma`` tokens one by one, yielding each with the distribution it was
-    sampled from (truncated to the top ``draft_top_k`` when > 0)."""
-    runner.rollback(seq, position)
-    seq.tokens.extend(new_tokens)
-    for _ in range(gamma):
-        logits = runner.logits(seq, 1)[0]
-        if params.greedy:
-            token, q = int(logits.argmax()), None
+    sampled from (truncated to the top ``draft_top_k`` when > 0).
+
+    Drafts that :func:`draft_ahead` made since the last call and that this call
+    would make again are yielded without running the model."""
+    ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
+    reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
+    if reused:  # seq already holds new_tokens and the reused drafts after position
+        runner.rollback(seq, position + len(new_tokens) + len(reused))
+        yield from reused
+    else:
+        runner.rollback(seq, position)
+        seq.tokens.extend(new_tokens)
+    for _ in range(gamma - len(reused)):
+        yield draft_one(runner, seq, params, draft_top_k)
+
+
+def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int) -> DraftToken:
+    """Sample the token after ``seq`` and append it. The draw is a pure function of
+    (the tokens before it, params, seed, k): the seed's uniform for this position."""
+    logits = runner.logits(seq, 1)[0]
+    if params.greedy:
+        token, q = int(logits.argmax()), None
+    else:
+        q = process_logits(logits, params)
+        u = uniform(params.seed, len(seq.tokens), STREAM_DRAFT)
+        if draft_top_k > 0:
+            q = truncate_top_k(q, draft_top_k)
+            token = int(q.ids[sample(q.probs, u)])
         else:
-            q = process_logits(logits, params)
-            u = uniform(params.seed, len(seq.tokens), STREAM_DRAFT)
-            if draft_top_k > 0:
-                q = truncate_top_k(q, draft_top_k)
-                token = int(q.ids[sample(q.probs, u)])
-            else:
-                token = sample(q, u)
-        seq.tokens.append(token)
-        yield DraftToken(token, q)
+            token = sample(q, u)
+    seq.tokens.append(token)
+    return DraftToken(token, q)
+
+
+@dataclasses.dataclass
+class DraftsAhead:
+    """Drafts made while the target verifies: ``seq.tokens[start:]`` right after
+    :func:`draft_ahead`, drafted with ``params`` and ``draft_top_k``."""
+
+    start: int
+    drafts: list[DraftToken]
+    params: SamplingParams
+    draft_top_k: int
+
+    def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
+                 params: SamplingParams, draft_top_k: int) -> list[DraftToken]:
+        """The first up-to-``gamma`` drafts that rolling back to ``position`` and
+        appending ``new_tokens`` would be followed by, if they were made ahead.
+
+        Drafting is deterministic given the tokens before a position, the params
+        and k (see :func:`draft_one`). So when the tokens ``seq`` holds from
+        ``position`` on (its own drafts and those made ahead) begin with
+        ``new_tokens``, the drafts made ahead after them are exactly the ones the
+        request would make, q included."""
+        made = [d.token for d in self.drafts]
+        first = position + len(new_tokens)  # where the first requested draft lands
+        if (params != self.params or draft_top_k != self.draft_top_k
+                or not self.start <= first < self.start + len(made)
+                or seq.tokens[self.start:] != made  # (cannot happen: draft_tokens consumes self first)
+                or seq.tokens[position:first] != list(new_tokens)):
+            return []
+        return self.drafts[first - self.start:][:gamma]
+
+
+def draft_ahead(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int, count: int,
+                stop: Callable[[], bool]) -> int:
+    """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will
+    accept every draft and pick the draft's own next token as its bonus: done on
+    the draft's device while the target verifies, so when that guess is right the
+    next round's drafts already exist (kept in ``seq.ahead`` for the next
+    :func:`draft_tokens`). ``stop`` is asked before each token: real work
+    waiting for the model comes first. Returns how many were made."""
+    start, drafts = len(seq.tokens), []
+    while len(drafts) < count and len(seq.tokens) < runner.max_context and not stop():
+        drafts.append(draft_one(runner, seq, params, draft_top_k))
+    seq.ahead = DraftsAhead(start, drafts, params, draft_top_k) if drafts else None
+    return len(drafts)
 
 
 def verify_drafts(

@@ -28,6 +28,8 @@ class Sequence:
 
     tokens: list[int]
     cache: object
+    # Draft side: drafts made ahead of the next request (specdec.local.DraftsAhead).
+    ahead: object = None
 
     @property
     def cache_length(self) -> int:

@@ -52,6 +52,7 @@ class ModelHost:
         self.draining = False
         self._sweeper: asyncio.Future | None = None
         self._computed_tokens = 0  # tokens through the model; touched on the worker thread only
+        self._calls_submitted = 0  # calls' jobs handed to the executor (background work yields to them)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,6 +109,7 @@ class ModelHost:
         it queued, how long it computed (copies timed by :meth:`to_device` /
         :meth:`to_host` excluded) and how many tokens went through the model."""
         submitted = time.perf_counter()
+        self._calls_submitted += 1
 
         def job():
             start = time.perf_counter()
@@ -122,6 +124,24 @@ class ModelHost:
                 timing.computed_tokens += self._computed_tokens - tokens_before
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+
+    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args, stop)`` on the model's executor, for work no call waits
+        for (drafting ahead). ``stop()`` turns true once a call's work is queued
+        behind it or the service drains; ``fn`` should then return within a step.
+        Failures are logged: they must not affect any call."""
+        since = self._calls_submitted
+
+        def stop() -> bool:
+            return self._calls_submitted != since or self.draining
+
+        def job():
+            try:
+                fn(*args, stop)
+            except Exception:  # noqa: BLE001
+                log.exception("background work on the %s model failed", self.config.role)
+
+        self.executor.submit(job)
 
     def _synchronize(self) -> None:
         device = self.runner.device if self.runner is not None else None
@@ -258,6 +278,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight calls may take to finish",
         type=float, metavar="SECONDS")
     add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    if role == "draft":
+        add("--draft-ahead", "draft_ahead", "while the target verifies, draft the next round as if all drafts "
+            "are accepted (reused when they are; the output never changes)", action=argparse.BooleanOptionalAction)
     add_telemetry_arguments(parser, role)
 
 
