@@ -11,7 +11,6 @@ session's state in both services.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -142,12 +141,13 @@ class Coordinator:
         """An adaptive policy starts from the estimates the last finished adaptive
         request of the same regime ended with: round costs and acceptance belong
         to the deployment (network, devices, model pair), so a new request need
-        not learn them again -- but acceptance also depends on how tokens are
-        chosen (greedy acceptance can be twice that of sampling)."""
+        not learn them again. Acceptance depends on how tokens are chosen
+        (greedy acceptance can be twice that of sampling) and on the prompt, so
+        it is kept per regime and only partly carried over."""
         with self._lock:
             learned = self._learned_adaptive.get(_regime(job))
         if isinstance(policy, AdaptiveGamma) and learned is not None and learned.gamma_max == policy.gamma_max:
-            return copy.deepcopy(learned)
+            return learned.for_new_request()
         return policy
 
     def _remember(self, policy: GammaPolicy, job: GenerateJob) -> None:

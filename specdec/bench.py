@@ -89,8 +89,9 @@ class Config:
 
 
 def run_ours(dec, prompt, new_tokens, sampling, policy, totals: Totals) -> None:
-    """``policy``: a γ policy object; an adaptive one is kept across prompts, as
-    the coordinator keeps what it learned across requests."""
+    """``policy``: a γ policy object; an adaptive one starts from the last
+    prompt's (:meth:`AdaptiveGamma.for_new_request`), as the coordinator starts
+    each request from the last of its regime."""
     out = dec.generate(prompt, max_new_tokens=new_tokens, sampling=sampling, gamma=policy)
     totals.add(len(out.token_ids), out.elapsed_s, out.rounds, sum(out.gammas), sum(out.accepted))
 
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.client import Client
     from specdec.decoder import SpeculativeDecoder
     from specdec.eval_pair import held_out_streams, make_prompts
-    from specdec.gamma import parse_gamma_policy
+    from specdec.gamma import AdaptiveGamma, parse_gamma_policy
     from specdec.sampling import SamplingParams
 
     hf_logging.set_verbosity_error()
@@ -268,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
                     # coordinator, off the draft's core.
                     pin(COORDINATOR_CORE if c.kind == "distributed" else IN_PROCESS_CORE)
                     if c.kind in ("target-only", "in-process"):
+                        if isinstance(policies[c], AdaptiveGamma):
+                            policies[c] = policies[c].for_new_request()
                         run_ours(dec, prompt, new_tokens, sampling, policies[c], totals[c])
                     elif c.kind == "hf-assisted":
                         run_hf_assisted(hf_target, hf_draft, prompt, new_tokens, sampling, c.policy, totals[c])

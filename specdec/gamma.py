@@ -13,6 +13,7 @@ what is left to generate. Three policies:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
@@ -120,16 +121,19 @@ class _DecayingLine:
         self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
         self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
 
-    def fit(self, default_slope: float) -> tuple[float, float]:
-        """(intercept, slope); ``default_slope`` while x has not varied enough."""
+    def slope(self) -> float | None:
+        """The fitted slope, or None while x has not varied enough to tell."""
         if self.w == 0:
-            return 0.0, default_slope
+            return None
         mean_x, mean_y = self.x / self.w, self.y / self.w
         var_x = self.xx / self.w - mean_x**2
-        slope = default_slope
-        if var_x > 0.05:
-            slope = max(0.0, (self.xy / self.w - mean_x * mean_y) / var_x)
-        return max(0.0, mean_y - slope * mean_x), slope
+        if var_x <= 0.05:
+            return None
+        return max(0.0, (self.xy / self.w - mean_x * mean_y) / var_x)
+
+    def intercept(self, slope: float) -> float:
+        """The line's value at x = 0, given its slope."""
+        return max(0.0, (self.y - slope * self.x) / self.w) if self.w else 0.0
 
 
 @dataclasses.dataclass
@@ -153,8 +157,14 @@ class AdaptiveGamma:
     (after γ = 0 rounds the draft must first catch up on the tokens it missed)
     and its estimates are noisy, so a marginal predicted gain is not taken. (A
     single threshold, not hysteresis: near it the choice can still alternate.)
-    One round in ``probe_every`` then still drafts, so that a change in
-    acceptance or cost is noticed.
+    A round still drafts after ``probe_every`` rounds without, so that a change
+    in acceptance or cost is noticed -- sooner while the policy has drafted only
+    a few rounds in its life, so that an unlucky start does not settle it at
+    γ = 0 on next to no evidence.
+
+    The verify slope keeps its last determined value while γ stays put (a
+    constant γ cannot tell fixed from per-token cost; taking the slope as 0
+    would make every γ look equally cheap to verify).
     """
 
     gamma_max: int = 8
@@ -171,7 +181,9 @@ class AdaptiveGamma:
         self._verify = _DecayingLine(self.decay)
         self._draft_fixed: float | None = None
         self._draft_per_token: float | None = None
-        self._rounds = 0
+        self._verify_slope = 0.0  # the last determined slope of verify time in γ
+        self._drafted_rounds = 0  # in the policy's life, carried into warm starts
+        self._since_drafted = 0
 
     # -- estimates ------------------------------------------------------------
 
@@ -186,8 +198,19 @@ class AdaptiveGamma:
     def cost(self) -> RoundCost | None:
         if self._draft_fixed is None or self._verify.w == 0:
             return None
-        verify_fixed, verify_per_token = self._verify.fit(default_slope=0.0)
-        return RoundCost(self._draft_fixed, self._draft_per_token, verify_fixed, verify_per_token)
+        slope = self._verify_slope
+        return RoundCost(self._draft_fixed, self._draft_per_token, self._verify.intercept(slope), slope)
+
+    def for_new_request(self, carry: float = 0.25) -> "AdaptiveGamma":
+        """A copy to start the next request from: the round costs belong to the
+        deployment and carry over whole; acceptance varies from prompt to prompt,
+        so only ``carry`` of its evidence does (a new request's own rounds soon
+        outweigh it, and the previous prompt's luck does not decide the start)."""
+        new = copy.deepcopy(self)
+        new._tried = [t * carry for t in self._tried]
+        new._accepted = [a * carry for a in self._accepted]
+        new._since_drafted = 0
+        return new
 
     # -- policy ---------------------------------------------------------------
 
@@ -200,13 +223,14 @@ class AdaptiveGamma:
 
     def choose(self) -> int:
         gamma = self.best()
-        if gamma == 0 and self._rounds % self.probe_every == 0:
+        if gamma == 0 and self._since_drafted >= min(self.probe_every, 2 + self._drafted_rounds):
             gamma = min(2, self.gamma_max)  # probe: is drafting worth it again? (2: a per-token gap)
         return gamma
 
     def observe(self, result: "RoundResult") -> None:
-        self._rounds += 1
         g, n = result.gamma, result.accepted
+        self._drafted_rounds += g > 0
+        self._since_drafted = 0 if g else self._since_drafted + 1
         d = self.decay
         for i in range(self.gamma_max):
             self._tried[i] *= d
@@ -218,6 +242,9 @@ class AdaptiveGamma:
                 self._accepted[i] += 1
         if not result.target_caught_up:  # a pre-fill is not what a round costs
             self._verify.add(g, result.verify_s)
+            slope = self._verify.slope()
+            if slope is not None:
+                self._verify_slope = slope
         if g:
             per_token = self._draft_per_token
             if g >= 2 and result.draft_first_s is not None:

@@ -378,13 +378,17 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
         def fresh():
             return parse_gamma_policy("adaptive", engine.config.gamma_max)
 
+        def learned_from(policy, teacher):  # its round costs, and acceptance leaning the teacher's way
+            return (policy.cost() == teacher.cost()
+                    and fresh().alphas()[0] < policy.alphas()[0] <= teacher.alphas()[0])
+
         started = engine._warm_start(fresh(), greedy)
-        assert started is not learned and started.alphas() == learned.alphas() != fresh().alphas()
-        assert engine._warm_start(fresh(), sampled).alphas() == fresh().alphas()
+        assert started is not learned and learned_from(started, learned)
+        assert engine._warm_start(fresh(), sampled).cost() is None  # nothing learnt for sampling yet
         engine._remember(learned, sampled)
         other_seed = dataclasses.replace(sampled, sampling=SamplingParams(temperature=0.8, seed=2))
-        assert engine._warm_start(fresh(), other_seed).alphas() == learned.alphas()
+        assert learned_from(engine._warm_start(fresh(), other_seed), learned)
         hotter = dataclasses.replace(sampled, sampling=SamplingParams(temperature=1.0, seed=1))
-        assert engine._warm_start(fresh(), hotter).alphas() == fresh().alphas()
+        assert engine._warm_start(fresh(), hotter).cost() is None
     finally:
         engine.close()

@@ -122,3 +122,54 @@ def test_prefill_rounds_do_not_count_as_round_cost():
     policy.observe(RoundResult([1] * 5, 4, 4, 0.004, 0.006, None, 0.001))
     cost = policy.cost()
     assert cost.verify_fixed == pytest.approx(0.006) and cost.draft_per_token == pytest.approx(0.001)
+
+
+def test_verify_slope_is_kept_while_gamma_stays_put():
+    """A constant γ cannot separate fixed from per-token verify cost: the slope
+    learnt while γ varied stays, instead of falling to 0 (every γ equally cheap)."""
+    policy = AdaptiveGamma(gamma_max=8)
+    for g in [1, 4] * 10:
+        policy.observe(RoundResult([1], g, 0, 0.001 * g, 0.006 + 0.0005 * g, None, 0.001))
+    assert policy.cost().verify_per_token == pytest.approx(0.0005)
+    for _ in range(300):  # long enough for the varied rounds to decay away
+        policy.observe(RoundResult([1], 8, 0, 0.008, 0.010, None, 0.001))
+    cost = policy.cost()
+    assert cost.verify_per_token == pytest.approx(0.0005)
+    assert cost.seconds(8) - cost.seconds(0) == pytest.approx(0.008 + 0.004, rel=0.05)
+
+
+def test_a_new_request_carries_costs_whole_and_acceptance_partly():
+    policy = AdaptiveGamma(gamma_max=8)
+    for _ in range(40):
+        policy.observe(RoundResult([1] * 5, 4, 4, 0.004, 0.008, None, 0.001))
+    start = policy.for_new_request()
+    assert start.cost() == policy.cost()
+    prior = AdaptiveGamma(gamma_max=8).alphas()[0]
+    assert prior < start.alphas()[0] < policy.alphas()[0]
+    # two unlucky rounds move the new request's estimate more than the old one's
+    for p in (start, policy):
+        for _ in range(2):
+            p.observe(RoundResult([1], 4, 0, 0.004, 0.008, None, 0.001))
+    assert start.alphas()[0] < policy.alphas()[0]
+
+
+def test_probes_come_sooner_while_little_has_been_drafted():
+    """After an unlucky start a policy that has drafted twice checks again within
+    four rounds; one with a long record waits ``probe_every`` rounds."""
+    def gammas(policy, rounds):
+        out = []
+        for _ in range(rounds):
+            g = policy.choose()
+            out.append(g)
+            policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))  # every draft rejected
+        return out
+
+    young = AdaptiveGamma(gamma_max=8)
+    seen = gammas(young, 8)
+    assert seen[0] == 4  # nothing measured yet: the initial γ
+    first_zero = seen.index(0)
+    assert any(seen[first_zero:first_zero + 5])  # probed within four rounds
+    old = AdaptiveGamma(gamma_max=8, probe_every=16)
+    gammas(old, 200)
+    seen = gammas(old, 40)
+    assert sum(g > 0 for g in seen) <= 3  # one round in 16
