@@ -17,6 +17,11 @@ from specdec.rounds import DraftToken
 from specdec.timing import ServerTiming
 
 
+# Drafting ahead goes this many drafts beyond the round it bets on: room for the
+# heuristic schedule's +2 after a fully accepted round.
+DRAFT_AHEAD_EXTRA = 2
+
+
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, host: ModelHost):
         self.host = host
@@ -58,12 +63,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             await job  # γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
             if gamma and host.config.draft_ahead:
-                # While the target verifies, this device would idle: draft the next
-                # round as if every draft is accepted (the bonus guess, then γ + 2
-                # more: room for the heuristic schedule's growth). Lossless either
-                # way: a later Propose only reuses drafts it would make itself.
-                host.run_in_background(draft_ahead, host.runner, session.state, params, request.draft_top_k,
-                                       gamma + 3)
+                host.run_in_background(self._draft_ahead, session.state, params, request.draft_top_k, gamma,
+                                       then=lambda: host.sessions.recount(session))
+
+    def _draft_ahead(self, seq, params, draft_top_k: int, gamma: int, stop) -> None:
+        """While the target verifies, this device would idle: draft the next round
+        as if every draft is accepted (:func:`specdec.local.draft_ahead`): the
+        guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
+        either way: a later Propose reuses only drafts it would make itself. Runs
+        on the model's executor; stays within the cached-token cap."""
+        sessions = self.host.sessions
+        room = sessions.max_cached_tokens - sessions.cached_tokens
+        draft_ahead(self.host.runner, seq, params, draft_top_k, min(1 + gamma + DRAFT_AHEAD_EXTRA, room), stop)
+        # q leaves the device now rather than on the next call's critical path.
+        seq.ahead.drafts[:] = [DraftToken(d.token, self.host.to_host(d.q, ServerTiming())) for d in seq.ahead.drafts]
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)

@@ -183,7 +183,7 @@ class AdaptiveGamma:
         self._draft_per_token: float | None = None
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
         self._drafted_rounds = 0  # in the policy's life, carried into warm starts
-        self._since_drafted = 0
+        self._since_drafted = 0  # also carried: short requests at γ = 0 must still probe
 
     # -- estimates ------------------------------------------------------------
 
@@ -209,7 +209,6 @@ class AdaptiveGamma:
         new = copy.deepcopy(self)
         new._tried = [t * carry for t in self._tried]
         new._accepted = [a * carry for a in self._accepted]
-        new._since_drafted = 0
         return new
 
     # -- policy ---------------------------------------------------------------

@@ -37,19 +37,26 @@ def draft_tokens(
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
     reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
     if reused:  # seq already holds new_tokens and the reused drafts after position
-        runner.rollback(seq, position + len(new_tokens) + len(reused))
+        held = position + len(new_tokens) + len(reused)
+        runner.rollback(seq, held)
+        runner.uncache(seq, held - 1)  # the last draft stays un-run, as a freshly drafted one is
         yield from reused
     else:
         runner.rollback(seq, position)
+        if ahead is not None:  # forget the passes drafting ahead made: run what a fresh request runs
+            runner.uncache(seq, ahead.cached)
         seq.tokens.extend(new_tokens)
     for _ in range(gamma - len(reused)):
         yield draft_one(runner, seq, params, draft_top_k)
 
 
-def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int) -> DraftToken:
+def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int,
+              run: int = 1) -> DraftToken:
     """Sample the token after ``seq`` and append it. The draw is a pure function of
-    (the tokens before it, params, seed, k): the seed's uniform for this position."""
-    logits = runner.logits(seq, 1)[0]
+    (the tokens before it, params, seed, k): the seed's uniform for this position.
+    ``run``: run at least the last ``run`` tokens, cached or not (see
+    :func:`draft_ahead`)."""
+    logits = runner.logits(seq, 1, run)[0]
     if params.greedy:
         token, q = int(logits.argmax()), None
     else:
@@ -66,46 +73,53 @@ def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_
 
 @dataclasses.dataclass
 class DraftsAhead:
-    """Drafts made while the target verifies: ``seq.tokens[start:]`` right after
-    :func:`draft_ahead`, drafted with ``params`` and ``draft_top_k``."""
+    """What :func:`draft_ahead` made: ``drafts`` are ``seq.tokens[start:]``, the
+    first of them the guess at the target's next token, drafted with ``params``
+    and ``draft_top_k``; the KV cache held ``cached`` positions before."""
 
     start: int
+    cached: int
     drafts: list[DraftToken]
     params: SamplingParams
     draft_top_k: int
 
     def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
                  params: SamplingParams, draft_top_k: int) -> list[DraftToken]:
-        """The first up-to-``gamma`` drafts that rolling back to ``position`` and
-        appending ``new_tokens`` would be followed by, if they were made ahead.
+        """The drafts (up to ``gamma``) this request would make, if they were made
+        ahead: only for the round bet on -- the request continues from the drafts
+        the sequence held with one new token, the target's, equal to the guess.
 
         Drafting is deterministic given the tokens before a position, the params
-        and k (see :func:`draft_one`). So when the tokens ``seq`` holds from
-        ``position`` on (its own drafts and those made ahead) begin with
-        ``new_tokens``, the drafts made ahead after them are exactly the ones the
-        request would make, q included."""
-        made = [d.token for d in self.drafts]
+        and k (:func:`draft_one`), and the drafts made ahead were run through the
+        model in the same passes as a fresh request runs them, so they are
+        bit-identical to the ones this request would make, q included."""
         first = position + len(new_tokens)  # where the first requested draft lands
-        if (params != self.params or draft_top_k != self.draft_top_k
-                or not self.start <= first < self.start + len(made)
-                or seq.tokens[self.start:] != made  # (cannot happen: draft_tokens consumes self first)
+        if (params != self.params or draft_top_k != self.draft_top_k or len(self.drafts) < 2
+                or not new_tokens or first != self.start + 1 or position < self.cached
                 or seq.tokens[position:first] != list(new_tokens)):
             return []
-        return self.drafts[first - self.start:][:gamma]
+        return self.drafts[1:1 + gamma]
 
 
 def draft_ahead(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int, count: int,
                 stop: Callable[[], bool]) -> int:
     """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will
-    accept every draft and pick the draft's own next token as its bonus: done on
-    the draft's device while the target verifies, so when that guess is right the
-    next round's drafts already exist (kept in ``seq.ahead`` for the next
-    :func:`draft_tokens`). ``stop`` is asked before each token: real work
-    waiting for the model comes first. Returns how many were made."""
-    start, drafts = len(seq.tokens), []
+    accept every draft and pick the draft's own next token (the guess) after
+    them: done on the draft's device while the target verifies, so when the
+    guess is right the next round's drafts already exist (kept in ``seq.ahead``
+    for the next :func:`draft_tokens`). ``stop`` is asked before each token:
+    real work waiting for the model comes first. Returns how many were made.
+
+    Float rounding depends on how tokens are grouped into passes, so the passes
+    are those of a fresh request: the next request would run the tokens not yet
+    run together with its first new token in one pass, so the draft after the
+    guess comes from one pass over those tokens and the guess."""
+    start, cached = len(seq.tokens), seq.cache_length
+    drafts: list[DraftToken] = []
+    seq.ahead = DraftsAhead(start, cached, drafts, params, draft_top_k)
     while len(drafts) < count and len(seq.tokens) < runner.max_context and not stop():
-        drafts.append(draft_one(runner, seq, params, draft_top_k))
-    seq.ahead = DraftsAhead(start, drafts, params, draft_top_k) if drafts else None
+        run = start - cached + 1 if len(drafts) == 1 else 1
+        drafts.append(draft_one(runner, seq, params, draft_top_k, run))
     return len(drafts)
 
 

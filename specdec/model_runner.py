@@ -28,7 +28,7 @@ class Sequence:
 
     tokens: list[int]
     cache: object
-    # Draft side: drafts made ahead of the next request (specdec.local.DraftsAhead).
+    # Draft side: drafts made ahead of the next request (a specdec.local.DraftsAhead).
     ahead: object = None
 
     @property
@@ -74,23 +74,29 @@ class ModelRunner:
         if position > len(seq.tokens):
             raise ValueError(f"cannot roll back to {position}: only {len(seq.tokens)} tokens held")
         del seq.tokens[position:]
-        if seq.cache_length > position:
-            kv_cache.crop_cache(seq.cache, position)
+        self.uncache(seq, position)
+
+    def uncache(self, seq: Sequence, keep: int) -> None:
+        """Keep at most the first ``keep`` positions in the KV cache; the tokens
+        stay, and the next pass runs the rest."""
+        if seq.cache_length > keep:
+            kv_cache.crop_cache(seq.cache, keep)
 
     @torch.inference_mode()
-    def logits(self, seq: Sequence, last: int = 1) -> torch.Tensor:
+    def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         """Run the pending tokens; return float32 logits [last, V] predicting the
         tokens after each of the last ``last`` positions of ``seq.tokens``.
 
-        If fewer than ``last`` tokens are pending, the cache is rewound so that they
-        are recomputed (e.g. the same sequence asked twice)."""
+        If fewer than ``max(last, run)`` tokens are pending, the cache is rewound so
+        that they are recomputed (e.g. the same sequence asked twice, or a pass
+        repeated exactly: ``run`` fixes which tokens go through it together)."""
         if not seq.tokens:
             raise ValueError("cannot run an empty sequence")
         if len(seq.tokens) > self.max_context:
             raise ValueError(
                 f"sequence of {len(seq.tokens)} tokens exceeds the model context of {self.max_context}"
             )
-        start = min(seq.cache_length, len(seq.tokens) - last)
+        start = min(seq.cache_length, len(seq.tokens) - max(last, run))
         if start < seq.cache_length:
             kv_cache.crop_cache(seq.cache, start)
         ids = torch.tensor([seq.tokens[start:]], dtype=torch.long, device=self.device)

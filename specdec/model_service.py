@@ -52,7 +52,9 @@ class ModelHost:
         self.draining = False
         self._sweeper: asyncio.Future | None = None
         self._computed_tokens = 0  # tokens through the model; touched on the worker thread only
-        self._calls_submitted = 0  # calls' jobs handed to the executor (background work yields to them)
+        # Calls' jobs handed to the executor (background work yields to them);
+        # written on the event loop thread, read on the worker.
+        self._calls_submitted = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -87,6 +89,7 @@ class ModelHost:
             self._computed_tokens += int(ids.shape[-1])
 
     def close(self) -> None:
+        self.draining = True  # background work stops at its next step
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -125,12 +128,15 @@ class ModelHost:
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
-    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
+    def run_in_background(self, fn: Callable[..., Any], *args: Any, then: Callable[[], None] | None = None) -> None:
         """Queue ``fn(*args, stop)`` on the model's executor, for work no call waits
-        for (drafting ahead). ``stop()`` turns true once a call's work is queued
-        behind it or the service drains; ``fn`` should then return within a step.
-        Failures are logged: they must not affect any call."""
-        since = self._calls_submitted
+        for (drafting ahead), then call ``then()`` on the event loop. ``stop()``
+        turns true once a call's work is queued behind it or the service drains;
+        ``fn`` should then return within a step. Failures are logged: they must
+        not affect any call."""
+        if self.draining:
+            return
+        loop, since = asyncio.get_running_loop(), self._calls_submitted
 
         def stop() -> bool:
             return self._calls_submitted != since or self.draining
@@ -140,8 +146,13 @@ class ModelHost:
                 fn(*args, stop)
             except Exception:  # noqa: BLE001
                 log.exception("background work on the %s model failed", self.config.role)
+            if then is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(then)
 
-        self.executor.submit(job)
+        try:
+            self.executor.submit(job)
+        except RuntimeError:  # the executor shut down meanwhile
+            pass
 
     def _synchronize(self) -> None:
         device = self.runner.device if self.runner is not None else None

@@ -173,6 +173,12 @@ class SessionStore(Generic[S]):
         self._tokens -= session.tokens
         return True
 
+    def recount(self, session: Session[S]) -> None:
+        """Account a session that grew outside a call (drafting ahead) and enforce
+        the caps on the others."""
+        self._account(session)
+        self._enforce_caps(keep=session)
+
     def sweep(self) -> int:
         """Drop sessions idle for longer than the TTL; returns how many."""
         deadline = self._clock() - self.ttl_s

@@ -45,84 +45,92 @@ class CountForwards:
         self.runner.logits = self.real
 
 
-def fresh(runner, tokens, gamma, params, k):
-    """The drafts a sequence that never drafted ahead makes after ``tokens``."""
-    return list(draft_tokens(runner, runner.new_sequence(), 0, tokens, gamma, params, k))
+def replay(runner, requests):
+    """The drafts of the last of ``requests`` -- (position, new_tokens, gamma,
+    params, k) -- made on a sequence that never drafted ahead."""
+    seq = runner.new_sequence()
+    for position, new_tokens, gamma, params, k in requests:
+        drafts = list(draft_tokens(runner, seq, position, new_tokens, gamma, params, k))
+    return drafts
 
 
 def assert_same_drafts(got, want):
+    """Same tokens and bit-identical q: the same passes ran (float rounding
+    depends on how tokens are grouped into passes)."""
     assert [d.token for d in got] == [d.token for d in want]
     for g, w in zip(got, want):
         if w.q is None:
             assert g.q is None
         elif isinstance(w.q, torch.Tensor):  # dense q
-            assert torch.allclose(g.q, w.q, atol=1e-6)
+            assert torch.equal(g.q, w.q)
         else:
-            assert torch.equal(g.q.ids, w.q.ids) and torch.allclose(g.q.probs, w.q.probs, atol=1e-6)
+            assert torch.equal(g.q.ids, w.q.ids) and torch.equal(g.q.probs, w.q.probs)
 
 
-def round_then_ahead(runner, params, k, gamma=3, count=6):
-    """One round of ``gamma`` drafts after PROMPT, then drafting ahead."""
+START = len(PROMPT) + 3  # where drafting ahead starts after the first round's three drafts
+
+
+def round_then_ahead(runner, params, k, count=6):
+    """A first round of three drafts after PROMPT, then drafting ahead; returns
+    the sequence, the first request and the guess at the target's token."""
     seq = runner.new_sequence()
-    drafts = list(draft_tokens(runner, seq, 0, PROMPT, gamma, params, k))
-    made = draft_ahead(runner, seq, params, k, count, NEVER)
-    return seq, drafts, made
+    first = (0, PROMPT, 3, params, k)
+    list(draft_tokens(runner, seq, *first[:3], params, k))
+    assert draft_ahead(runner, seq, params, k, count, NEVER) == count
+    return seq, first, seq.ahead.drafts[0].token
 
 
 @pytest.mark.parametrize("params,k", [(GREEDY, 0), (SAMPLED, 0), (SAMPLED, 6)], ids=["greedy", "dense", "top6"])
-def test_all_accepted_and_bonus_guessed_reuses_the_drafts_made_ahead(draft, params, k):
-    seq, drafts, made = round_then_ahead(draft, params, k)
-    assert made == 6 and seq.ahead is not None
-    guess = seq.ahead.drafts[0].token  # the draft's own pick for the target's bonus token
-    history = PROMPT + [d.token for d in drafts] + [guess]
+def test_all_accepted_and_guessed_reuses_the_drafts_made_ahead(draft, params, k):
+    seq, first, guess = round_then_ahead(draft, params, k)
+    second = (START, [guess], 4, params, k)  # every draft accepted; the target's token is the guess
     with CountForwards(draft) as forwards:
-        reused = list(draft_tokens(draft, seq, len(PROMPT) + 3, [guess], 4, params, k))
+        reused = list(draft_tokens(draft, seq, *second[:3], params, k))
     assert forwards.calls == 0  # all four existed already
-    assert_same_drafts(reused, fresh(draft, history, 4, params, k))
-    assert seq.tokens == history + [d.token for d in reused]
-    # and the sequence goes on exactly as a fresh one would
-    nxt = list(draft_tokens(draft, seq, len(seq.tokens), [], 2, params, k))
-    assert_same_drafts(nxt, fresh(draft, seq.tokens[: len(history) + 4], 2, params, k))
+    assert_same_drafts(reused, replay(draft, [first, second]))
+    assert len(seq.tokens) == START + 1 + 4
+    # and the sequence goes on exactly as one that never drafted ahead
+    third = (len(seq.tokens), [7], 2, params, k)
+    assert_same_drafts(list(draft_tokens(draft, seq, *third[:3], params, k)), replay(draft, [first, second, third]))
 
 
 def test_fewer_drafts_made_ahead_than_asked_for_are_topped_up(draft):
-    seq, drafts, _ = round_then_ahead(draft, SAMPLED, 6, count=3)  # the guess and two drafts
-    guess = seq.ahead.drafts[0].token
-    history = PROMPT + [d.token for d in drafts] + [guess]
+    seq, first, guess = round_then_ahead(draft, SAMPLED, 6, count=3)  # the guess and two drafts
+    second = (START, [guess], 5, SAMPLED, 6)
     with CountForwards(draft) as forwards:
-        got = list(draft_tokens(draft, seq, len(PROMPT) + 3, [guess], 5, SAMPLED, 6))
+        got = list(draft_tokens(draft, seq, *second[:3], SAMPLED, 6))
     assert forwards.calls == 3  # two reused, three drafted
-    assert_same_drafts(got, fresh(draft, history, 5, SAMPLED, 6))
+    assert_same_drafts(got, replay(draft, [first, second]))
 
 
-@pytest.mark.parametrize("case", ["other bonus", "drafts rejected", "other params", "other k"])
-def test_anything_but_the_guessed_history_drafts_afresh(draft, case):
-    seq, drafts, _ = round_then_ahead(draft, SAMPLED, 6)
-    guess = seq.ahead.drafts[0].token
-    position, new, params, k = len(PROMPT) + 3, [(guess + 1) % 32], SAMPLED, 6
-    if case == "drafts rejected":  # one draft accepted, the target's correction is the guess
+@pytest.mark.parametrize("case", ["other token", "drafts rejected", "re-sent drafts", "other seed", "other k"])
+def test_anything_but_the_round_bet_on_drafts_afresh(draft, case):
+    seq, first, guess = round_then_ahead(draft, SAMPLED, 6)
+    position, new, params, k = START, [(guess + 1) % 32], SAMPLED, 6
+    if case == "drafts rejected":  # one draft accepted; the target's correction happens to be the guess
         position, new = len(PROMPT) + 1, [guess]
-    elif case == "other params":
-        new, params = [guess], SamplingParams(temperature=0.7, top_k=10, seed=1234)
+    elif case == "re-sent drafts":  # the same history, but the request re-sends held drafts
+        position, new = len(PROMPT) + 1, seq.tokens[len(PROMPT) + 1:START] + [guess]
+    elif case == "other seed":
+        new, params = [guess], SamplingParams(temperature=1.0, top_k=10, seed=4321)
     elif case == "other k":
         new, k = [guess], 5
-    history = seq.tokens[:position] + new
+    second = (position, new, 3, params, k)
     with CountForwards(draft) as forwards:
-        got = list(draft_tokens(draft, seq, position, new, 3, params, k))
+        got = list(draft_tokens(draft, seq, *second[:3], params, k))
     assert forwards.calls == 3
-    assert_same_drafts(got, fresh(draft, history, 3, params, k))
+    assert_same_drafts(got, replay(draft, [first, second]))
     assert seq.ahead is None
 
 
 def test_drafts_made_ahead_serve_one_request_only(draft):
-    seq, drafts, _ = round_then_ahead(draft, GREEDY, 0)
+    seq, first, guess = round_then_ahead(draft, GREEDY, 0)
     ahead = seq.ahead
-    list(draft_tokens(draft, seq, len(PROMPT), [7], 2, GREEDY, 0))  # another history: drafts afresh
+    list(draft_tokens(draft, seq, START, [(guess + 1) % 32], 2, GREEDY, 0))  # another token: drafts afresh
     assert seq.ahead is None
     seq.ahead = ahead  # even put back, drafts made after a history that changed are not reused
-    guess = ahead.drafts[0].token
     with CountForwards(draft) as forwards:
-        list(draft_tokens(draft, seq, len(PROMPT) + 1, [guess], 2, GREEDY, 0))
+        list(draft_tokens(draft, seq, START, [guess], 2, GREEDY, 0))
     assert forwards.calls == 2
 
 
@@ -131,7 +139,7 @@ def test_stop_is_asked_before_every_token(draft):
     list(draft_tokens(draft, seq, 0, PROMPT, 2, GREEDY, 0))
     held = list(seq.tokens)
     assert draft_ahead(draft, seq, GREEDY, 0, 5, lambda: True) == 0
-    assert seq.tokens == held and seq.ahead is None
+    assert seq.tokens == held and not seq.ahead.drafts
     asked = iter([False, False, True])
     assert draft_ahead(draft, seq, GREEDY, 0, 5, lambda: next(asked)) == 2
 
@@ -142,6 +150,39 @@ def test_drafting_ahead_stops_at_the_context(draft):
     list(draft_tokens(draft, seq, 0, PROMPT + [1] * room, 1, GREEDY, 0))
     assert draft_ahead(draft, seq, GREEDY, 0, 5, NEVER) == 1
     assert len(seq.tokens) == draft.max_context
+
+
+def test_background_work_yields_to_the_next_call():
+    """A call's work queued behind background work stops it at its next step."""
+    import asyncio
+    import threading
+    import time
+
+    from specdec.config import ServiceConfig
+    from specdec.model_service import ModelHost
+    from specdec.timing import ServerTiming
+
+    async def main():
+        host = ModelHost(ServiceConfig(role="draft", port=0))
+        started, order = threading.Event(), []
+
+        def background(stop):
+            started.set()
+            deadline = time.monotonic() + 5
+            while not stop() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            order.append("stopped" if stop() else "ran out")
+
+        host.run_in_background(background, then=lambda: order.append("then"))
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        await host.run(ServerTiming(), lambda: order.append("call"))
+        await asyncio.sleep(0.05)
+        host.close()
+        host.run_in_background(background)  # after close: nothing queued, no error
+        return order
+
+    order = asyncio.run(main())
+    assert order[0] == "stopped" and sorted(order[1:]) == ["call", "then"]  # "then" and the call may race
 
 
 # ---------------------------------------------------------------- in the draft service
@@ -168,10 +209,10 @@ def test_service_answers_a_guessed_round_without_running_the_model(loop, tiny_pa
             first = list(stub.Propose(pc.propose_request("s", 1, 0, PROMPT, 3, SAMPLED, 6), timeout=20))
             settle(service)
             history = PROMPT + [m.token for m in first]
-            guess = fresh(draft, history, 1, SAMPLED, 6)[0].token
+            guess = replay(draft, [(0, PROMPT, 4, SAMPLED, 6)])[-1].token  # the draft's own next pick
             second = list(stub.Propose(pc.propose_request("s", 2, len(history), [guess], 3, SAMPLED, 6),
                                        timeout=20))
-        expected = fresh(draft, history + [guess], 3, SAMPLED, 6)
+        expected = replay(draft, [(0, PROMPT, 3, SAMPLED, 6), (len(history), [guess], 3, SAMPLED, 6)])
         assert_same_drafts([pc.draft_token_from_proto(m, vocab_size=32) for m in second], expected)
         assert second[-1].timing.computed_tokens == (0 if ahead else 2 + 2)  # last draft + bonus, 2 drafts
     finally:

@@ -172,4 +172,4 @@ def test_probes_come_sooner_while_little_has_been_drafted():
     old = AdaptiveGamma(gamma_max=8, probe_every=16)
     gammas(old, 200)
     seen = gammas(old, 40)
-    assert sum(g > 0 for g in seen) <= 3  # one round in 16
+    assert 2 <= sum(g > 0 for g in seen) <= 3  # one round in 16

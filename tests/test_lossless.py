@@ -40,7 +40,7 @@ class MemoRunner:
     def rollback(self, seq, position):
         del seq.tokens[position:]
 
-    def logits(self, seq, last=1):
+    def logits(self, seq, last=1, run=0):
         rows = []
         for end in range(len(seq.tokens) - last + 1, len(seq.tokens) + 1):
             key = tuple(seq.tokens[:end])

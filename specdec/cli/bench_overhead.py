@@ -36,7 +36,7 @@ class FreeModel:
     def rollback(self, seq: Sequence, position: int) -> None:
         del seq.tokens[position:]
 
-    def logits(self, seq: Sequence, last: int = 1) -> torch.Tensor:
+    def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         # Row n of the table predicts the token after a prefix of length n.
         rows = [(n % 256) for n in range(len(seq.tokens) - last + 1, len(seq.tokens) + 1)]
         return self.table[rows]
