@@ -83,6 +83,7 @@ class Config:
     policy: str  # γ policy or schedule
     rtt_ms: float
     cores: str
+    draft_ahead: bool = True  # distributed: the draft service drafts ahead (its default)
 
 
 # ------------------------------------------------------------------ in-process runs
@@ -149,16 +150,22 @@ class Processes:
                 child.kill()
 
 
-def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) -> dict[float, str]:
-    """Draft and target once; per RTT a coordinator (through netem proxies when
-    RTT > 0). Returns {rtt_ms: coordinator address}."""
-    draft_port, target_port = free_port(), free_port()
+def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) -> dict[tuple[float, bool], str]:
+    """Draft and target once, and a second draft service with --no-draft-ahead;
+    per RTT a coordinator (through netem proxies when RTT > 0), and one at 0 ms
+    for the draft that does not draft ahead. Returns {(rtt_ms, draft_ahead):
+    coordinator address}."""
+    draft_port, plain_draft_port, target_port = free_port(), free_port(), free_port()
     procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
+    procs.start("draft-no-ahead", ["draft-service", "--model", str(draft_dir), "--port", str(plain_draft_port),
+                                   "--no-draft-ahead"], core=DRAFT_CORE)
     procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
                 core=TARGET_CORE)
+    target_addr = f"127.0.0.1:{target_port}"
     coordinators = {}
-    for rtt in rtts:
-        draft_addr, target_addr = f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}"
+    for rtt, ahead in [(rtt, True) for rtt in rtts] + [(0.0, False)]:
+        draft_addr = f"127.0.0.1:{draft_port if ahead else plain_draft_port}"
+        to_target = target_addr
         if rtt > 0:
             for name, upstream in (("draft", draft_addr), ("target", target_addr)):
                 port = free_port()
@@ -168,13 +175,13 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) ->
                 if name == "draft":
                     draft_addr = f"127.0.0.1:{port}"
                 else:
-                    target_addr = f"127.0.0.1:{port}"
+                    to_target = f"127.0.0.1:{port}"
         port = free_port()
-        procs.start(f"coordinator-{rtt:g}ms", [
-            "coordinator", "--draft", draft_addr, "--target", target_addr, "--port", str(port),
+        procs.start(f"coordinator-{rtt:g}ms{'' if ahead else '-no-ahead'}", [
+            "coordinator", "--draft", draft_addr, "--target", to_target, "--port", str(port),
             "--tokenizer", str(target_dir),
         ], core=COORDINATOR_CORE)
-        coordinators[rtt] = f"127.0.0.1:{port}"
+        coordinators[rtt, ahead] = f"127.0.0.1:{port}"
     return coordinators
 
 
@@ -218,6 +225,9 @@ def plan(args) -> tuple[list[Config], list[float]]:
     for rtt in rtts:
         configs.append(Config(f"distributed static:0 @{rtt:g}ms", "distributed", "static:0", rtt, DISTRIBUTED_CORES))
         configs += [Config(f"distributed {p} @{rtt:g}ms", "distributed", p, rtt, DISTRIBUTED_CORES) for p in policies]
+    # What drafting ahead buys: the same rounds with a draft service that waits idle.
+    configs += [Config(f"distributed {p} @0ms, no draft-ahead", "distributed", p, 0.0, DISTRIBUTED_CORES, False)
+                for p in ("static:4", "adaptive")]
     return configs, rtts
 
 
@@ -251,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     procs = Processes(out_dir)
     try:
         coordinators = start_cluster(procs, target_dir, draft_dir, rtts)
-        clients = {rtt: Client(addr, timeout=300) for rtt, addr in coordinators.items()}
+        clients = {key: Client(addr, timeout=300) for key, addr in coordinators.items()}
         for c in clients.values():
             c.wait_ready(120)
         modes = [m.strip() for m in args.modes.split(",")]
@@ -275,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
                     elif c.kind == "hf-assisted":
                         run_hf_assisted(hf_target, hf_draft, prompt, new_tokens, sampling, c.policy, totals[c])
                     else:
-                        run_distributed(clients[c.rtt_ms], prompt, new_tokens, sampling, c.policy, totals[c])
+                        run_distributed(clients[c.rtt_ms, c.draft_ahead], prompt, new_tokens, sampling, c.policy,
+                                        totals[c])
                 print(f"[{mode}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
             results[mode] = summarise(configs, totals)
     finally:
@@ -344,7 +355,7 @@ def plot(results: dict, rtts: list[float], path: pathlib.Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, (mode, rows) in zip(axes[0], results.items()):
-        dist = [r for r in rows if r["kind"] == "distributed"]
+        dist = [r for r in rows if r["kind"] == "distributed" and r["draft_ahead"]]
         for policy in dict.fromkeys(r["policy"] for r in dist):
             pts = sorted((r["rtt_ms"], r["speedup"]) for r in dist if r["policy"] == policy)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)

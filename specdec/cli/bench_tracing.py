@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
         rates: dict[str, list[float]] = {"off": [], "on": []}
         generated = {"off": 0, "on": 0}
         pids = {name: [p.pid for p in s.procs.values()] for name, s in stacks.items()}
+        roles_pids = {name: dict(zip(s.procs, pids[name])) for name, s in stacks.items()}
         cpu0 = {name: _cpu_seconds(pids[name]) for name in stacks}
+        role_cpu0 = {name: {r: _cpu_seconds([p]) for r, p in roles_pids[name].items()} for name in stacks}
         tokens = 0
         for name in _abba(args.requests, args.block):
             rate, tokens = _one(clients[name], request)
@@ -202,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
             generated[name] += tokens
         time.sleep(6)  # the traced stack's last batch (every 5 s) is exported and billed
         cpu = {name: (None if cpu0[name] is None else _cpu_seconds(pids[name]) - cpu0[name]) for name in stacks}
+        role_cpu = {name: {r: (None if c is None else _cpu_seconds([roles_pids[name][r]]) - c)
+                           for r, c in role_cpu0[name].items()} for name in stacks}
         for client in clients.values():
             client.close()
     finally:
@@ -226,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         per_cpu = {name: generated[name] / cpu[name] for name in cpu}
         print(f"  CPU of the three services: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu['on']:.1f} on: "
               f"ratio {per_cpu['on'] / per_cpu['off']:.3f} (exporters' threads included; not the receiver)")
+        per_role = [f"{r} {1e3 * role_cpu['off'][r] / generated['off']:.2f} -> "
+                    f"{1e3 * role_cpu['on'][r] / generated['on']:.2f}" for r in role_cpu["off"]
+                    if role_cpu["off"][r] is not None and role_cpu["on"][r] is not None]
+        if per_role:
+            print("  CPU ms per token, off -> on: " + ", ".join(per_role))
     print(f"  exported: {len(receiver.spans)} spans over OTLP in {receiver.exports} batches, "
           f"{lines} spans to {trace_file}")
     return 0
