@@ -47,9 +47,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             loop = asyncio.get_running_loop()
             drafted: asyncio.Queue[DraftToken] = asyncio.Queue()
 
-            def draft_all() -> None:
+            def draft_all() -> int:
+                """Draft on the executor; returns how many drafts were made ahead and reused."""
+                ahead = session.state.ahead  # read here: drafting ahead may have run since the call came in
                 for draft in steps:
                     loop.call_soon_threadsafe(drafted.put_nowait, DraftToken(draft.token, host.to_host(draft.q, timing)))
+                return ahead.reused if ahead is not None else 0
 
             job = asyncio.ensure_future(host.run(timing, draft_all))
             sent = []
@@ -60,8 +63,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 msg = pc.draft_token_to_proto(draft, timing if i == gamma - 1 else None)
                 sent.append(msg)
                 yield msg
-            await job  # γ = 0: the roll-back and append still happen
+            reused = await job  # γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
+            if host.metrics is not None and reused:
+                host.metrics.observe_draft_ahead(reused=reused)
             if gamma and host.config.draft_ahead:
                 host.run_in_background(self._draft_ahead, session.state, params, request.draft_top_k, gamma,
                                        then=lambda: host.sessions.recount(session))
@@ -74,7 +79,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         on the model's executor; stays within the cached-token cap."""
         sessions = self.host.sessions
         room = sessions.max_cached_tokens - sessions.cached_tokens
-        draft_ahead(self.host.runner, seq, params, draft_top_k, min(1 + gamma + DRAFT_AHEAD_EXTRA, room), stop)
+        made = draft_ahead(self.host.runner, seq, params, draft_top_k, min(1 + gamma + DRAFT_AHEAD_EXTRA, room), stop)
+        if self.host.metrics is not None:
+            self.host.metrics.observe_draft_ahead(made=made)
         # q leaves the device now rather than on the next call's critical path.
         seq.ahead.drafts[:] = [DraftToken(d.token, self.host.to_host(d.q, ServerTiming())) for d in seq.ahead.drafts]
 

@@ -36,6 +36,8 @@ def draft_tokens(
     would make again are yielded without running the model."""
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
     reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
+    if ahead is not None:
+        ahead.reused = len(reused)
     if reused:  # seq already holds new_tokens and the reused drafts after position
         held = position + len(new_tokens) + len(reused)
         runner.rollback(seq, held)
@@ -75,13 +77,15 @@ def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_
 class DraftsAhead:
     """What :func:`draft_ahead` made: ``drafts`` are ``seq.tokens[start:]``, the
     first of them the guess at the target's next token, drafted with ``params``
-    and ``draft_top_k``; the KV cache held ``cached`` positions before."""
+    and ``draft_top_k``; the KV cache held ``cached`` positions before.
+    ``reused``: how many the next request took (set by :func:`draft_tokens`)."""
 
     start: int
     cached: int
     drafts: list[DraftToken]
     params: SamplingParams
     draft_top_k: int
+    reused: int = 0
 
     def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
                  params: SamplingParams, draft_top_k: int) -> list[DraftToken]:

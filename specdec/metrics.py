@@ -143,6 +143,10 @@ class ServiceMetrics(RpcMetrics):
                                        ["service"], registry=r)
         self.target_accepted_tokens = Counter("specdec_target_accepted_tokens", "Draft tokens Verify accepted.",
                                               ["service"], registry=r)
+        self.draft_ahead_tokens = Counter(
+            "specdec_draft_ahead_tokens", "Draft tokens made ahead while the target verified (outcome=made), and "
+            "those a later Propose streamed without running the model (outcome=reused).",
+            ["service", "outcome"], registry=r)
         self._sessions_watched = False
         if sessions is not None:
             self.watch_sessions(sessions)
@@ -163,6 +167,10 @@ class ServiceMetrics(RpcMetrics):
 
     def observe_proposed(self, tokens: int) -> None:
         self.proposed_tokens.labels(self.service).inc(tokens)
+
+    def observe_draft_ahead(self, made: int = 0, reused: int = 0) -> None:
+        self.draft_ahead_tokens.labels(self.service, "made").inc(made)
+        self.draft_ahead_tokens.labels(self.service, "reused").inc(reused)
 
     def observe_verified(self, drafts: int, accepted: int) -> None:
         self.verified_tokens.labels(self.service).inc(drafts)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -34,6 +35,7 @@ from specdec.sampling import SamplingParams, SparseDist
 from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
 from specdec.sessions import SessionStore
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
+from specdec.metrics import ServiceMetrics
 from specdec.timing import ServerTiming
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class ModelHost:
         self.runner: ModelRunner | None = None
         self.sessions: SessionStore[Sequence] | None = None
         self.draining = False
+        self.metrics: ServiceMetrics | None = None  # what the servicers count beyond the RPCs
         self._sweeper: asyncio.Future | None = None
         self._computed_tokens = 0  # tokens through the model; touched on the worker thread only
         # Calls' jobs handed to the executor (background work yields to them);
@@ -146,13 +149,12 @@ class ModelHost:
                 fn(*args, stop)
             except Exception:  # noqa: BLE001
                 log.exception("background work on the %s model failed", self.config.role)
-            if then is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(then)
+            if then is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(then)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
             self.executor.submit(job)
-        except RuntimeError:  # the executor shut down meanwhile
-            pass
 
     def _synchronize(self) -> None:
         device = self.runner.device if self.runner is not None else None
@@ -333,6 +335,8 @@ async def start_model_service(
     when ``wait_loaded``). ``runner`` skips loading (an already-loaded model).
     ``telemetry`` adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
     host = ModelHost(config)
+    if telemetry is not None and isinstance(telemetry.metrics, ServiceMetrics):
+        host.metrics = telemetry.metrics
     server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
                         interceptors=telemetry.server_interceptors() if telemetry else ())
     add_servicer(host, server.server)

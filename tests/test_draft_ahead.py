@@ -5,15 +5,25 @@ and visible only in the work done."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 import torch
 
-from service_harness import LoopThread, channel, start_service
+from draft_service.servicer import add_to_server
+from service_harness import LoopThread, channel
 from specdec import proto_convert as pc
+from specdec.config import ServiceConfig
 from specdec.local import draft_ahead, draft_tokens
+from specdec.metrics import ServiceMetrics
 from specdec.model_runner import ModelRunner
+from specdec.model_service import ModelHost, start_model_service
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.sampling import SamplingParams
+from specdec.telemetry import ServiceTelemetry
+from specdec.timing import ServerTiming
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams()
@@ -154,13 +164,6 @@ def test_drafting_ahead_stops_at_the_context(draft):
 
 def test_background_work_yields_to_the_next_call():
     """A call's work queued behind background work stops it at its next step."""
-    import asyncio
-    import threading
-    import time
-
-    from specdec.config import ServiceConfig
-    from specdec.model_service import ModelHost
-    from specdec.timing import ServerTiming
 
     async def main():
         host = ModelHost(ServiceConfig(role="draft", port=0))
@@ -202,7 +205,10 @@ def settle(service):
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["draft-ahead", "no-draft-ahead"])
 def test_service_answers_a_guessed_round_without_running_the_model(loop, tiny_pair, draft, ahead):
-    service = start_service(loop, "draft", tiny_pair[1], draft_ahead=ahead)
+    metrics = ServiceMetrics("draft")
+    config = ServiceConfig.load("draft", {"model": str(tiny_pair[1]), "host": "127.0.0.1", "port": 0,
+                                          "draft_ahead": ahead}, environ={})
+    service, _ = loop.call(start_model_service(config, add_to_server, telemetry=ServiceTelemetry("draft", metrics)))
     try:
         with channel(service) as ch:
             stub = pb_grpc.DraftServiceStub(ch)
@@ -215,5 +221,13 @@ def test_service_answers_a_guessed_round_without_running_the_model(loop, tiny_pa
         expected = replay(draft, [(0, PROMPT, 3, SAMPLED, 6), (len(history), [guess], 3, SAMPLED, 6)])
         assert_same_drafts([pc.draft_token_from_proto(m, vocab_size=32) for m in second], expected)
         assert second[-1].timing.computed_tokens == (0 if ahead else 2 + 2)  # last draft + bonus, 2 drafts
+        settle(service)
+
+        def counted(outcome):
+            return metrics.registry.get_sample_value(
+                "specdec_draft_ahead_tokens_total", {"service": "draft", "outcome": outcome}) or 0
+
+        # two rounds drafted ahead (the guess and 3 + 2 drafts each); the second round reused three
+        assert (counted("made"), counted("reused")) == ((12, 3) if ahead else (0, 0))
     finally:
         loop.call(service.stop())
