@@ -68,22 +68,21 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             if host.metrics is not None and reused:
                 host.metrics.observe_draft_ahead(reused=reused)
             if gamma and host.config.draft_ahead:
-                host.run_in_background(self._draft_ahead, session.state, params, request.draft_top_k, gamma,
-                                       then=lambda: host.sessions.recount(session))
+                host.run_in_background(self._draft_ahead, session, params, request.draft_top_k, gamma)
 
-    def _draft_ahead(self, seq, params, draft_top_k: int, gamma: int, stop) -> None:
+    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int, stop) -> None:
         """While the target verifies, this device would idle: draft the next round
         as if every draft is accepted (:func:`specdec.local.draft_ahead`): the
         guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
         either way: a later Propose reuses only drafts it would make itself. Runs
-        on the model's executor; stays within the cached-token cap."""
-        sessions = self.host.sessions
-        room = sessions.max_cached_tokens - sessions.cached_tokens
-        made = draft_ahead(self.host.runner, seq, params, draft_top_k, min(1 + gamma + DRAFT_AHEAD_EXTRA, room), stop)
-        if self.host.metrics is not None:
-            self.host.metrics.observe_draft_ahead(made=made)
+        on the model's executor; stops early if the session ends meanwhile."""
+        host, seq = self.host, session.state
+        made = draft_ahead(host.runner, seq, params, draft_top_k, 1 + gamma + DRAFT_AHEAD_EXTRA,
+                           lambda: stop() or not host.sessions.holds(session))
         # q leaves the device now rather than on the next call's critical path.
-        seq.ahead.drafts[:] = [DraftToken(d.token, self.host.to_host(d.q, ServerTiming())) for d in seq.ahead.drafts]
+        seq.ahead.drafts[:] = [DraftToken(d.token, host.to_host(d.q, ServerTiming())) for d in seq.ahead.drafts]
+        if host.metrics is not None:
+            host.metrics.observe_draft_ahead(made=max(0, made - 1))  # the guess itself is never reused
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)

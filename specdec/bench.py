@@ -163,7 +163,7 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) ->
                 core=TARGET_CORE)
     target_addr = f"127.0.0.1:{target_port}"
     coordinators = {}
-    for rtt, ahead in [(rtt, True) for rtt in rtts] + [(0.0, False)]:
+    for rtt, ahead in [(rtt, True) for rtt in rtts] + ([(0.0, False)] if 0.0 in rtts else []):
         draft_addr = f"127.0.0.1:{draft_port if ahead else plain_draft_port}"
         to_target = target_addr
         if rtt > 0:
@@ -225,9 +225,9 @@ def plan(args) -> tuple[list[Config], list[float]]:
     for rtt in rtts:
         configs.append(Config(f"distributed static:0 @{rtt:g}ms", "distributed", "static:0", rtt, DISTRIBUTED_CORES))
         configs += [Config(f"distributed {p} @{rtt:g}ms", "distributed", p, rtt, DISTRIBUTED_CORES) for p in policies]
-    # What drafting ahead buys: the same rounds with a draft service that waits idle.
-    configs += [Config(f"distributed {p} @0ms, no draft-ahead", "distributed", p, 0.0, DISTRIBUTED_CORES, False)
-                for p in ("static:4", "adaptive")]
+    if 0.0 in rtts:  # what drafting ahead buys: the same rounds with a draft service that waits idle
+        configs += [Config(f"distributed {p} @0ms, no draft-ahead", "distributed", p, 0.0, DISTRIBUTED_CORES, False)
+                    for p in ("static:4", "adaptive")]
     return configs, rtts
 
 

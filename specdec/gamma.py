@@ -159,8 +159,8 @@ class AdaptiveGamma:
     single threshold, not hysteresis: near it the choice can still alternate.)
     A round still drafts after ``probe_every`` rounds without, so that a change
     in acceptance or cost is noticed. (Not sooner: where drafting does not pay,
-    each probe costs the draft a catch-up pre-fill and a call; probing every 8
-    rounds instead of 16 measured ~4 % slower than plain decoding.)
+    each probe costs the draft a catch-up pre-fill and a call; probing much more
+    often early in a policy's life measured 0.92× plain decoding in one run.)
 
     The verify slope keeps its last determined value while γ stays put (a
     constant γ cannot tell fixed from per-token cost; taking the slope as 0

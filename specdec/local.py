@@ -105,6 +105,14 @@ class DraftsAhead:
         return self.drafts[1:1 + gamma]
 
 
+def held_tokens(seq: Sequence) -> int:
+    """How many tokens a session holds as far as its callers know. Drafts made
+    ahead are the service's own bet: no caller may name a position inside them,
+    and they do not count against the token cap (at most γ + 3 per session)."""
+    ahead = seq.ahead  # read once: the model's executor may replace it meanwhile
+    return ahead.start if ahead is not None else len(seq.tokens)
+
+
 def draft_ahead(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int, count: int,
                 stop: Callable[[], bool]) -> int:
     """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will

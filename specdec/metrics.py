@@ -144,8 +144,8 @@ class ServiceMetrics(RpcMetrics):
         self.target_accepted_tokens = Counter("specdec_target_accepted_tokens", "Draft tokens Verify accepted.",
                                               ["service"], registry=r)
         self.draft_ahead_tokens = Counter(
-            "specdec_draft_ahead_tokens", "Draft tokens made ahead while the target verified (outcome=made), and "
-            "those a later Propose streamed without running the model (outcome=reused).",
+            "specdec_draft_ahead_tokens", "Drafts made ahead while the target verified, after the guess at its "
+            "token (outcome=made), and those a later Propose streamed without running the model (outcome=reused).",
             ["service", "outcome"], registry=r)
         self._sessions_watched = False
         if sessions is not None:

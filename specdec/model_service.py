@@ -35,6 +35,7 @@ from specdec.sampling import SamplingParams, SparseDist
 from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
 from specdec.sessions import SessionStore
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
+from specdec.local import held_tokens
 from specdec.metrics import ServiceMetrics
 from specdec.timing import ServerTiming
 
@@ -75,6 +76,7 @@ class ModelHost:
             max_sessions=self.config.max_sessions,
             max_cached_tokens=self.config.max_cached_tokens,
             ttl_s=self.config.session_ttl_s,
+            size=held_tokens,
         )
         self.runner = runner
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -131,15 +133,14 @@ class ModelHost:
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
-    def run_in_background(self, fn: Callable[..., Any], *args: Any, then: Callable[[], None] | None = None) -> None:
+    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args, stop)`` on the model's executor, for work no call waits
-        for (drafting ahead), then call ``then()`` on the event loop. ``stop()``
-        turns true once a call's work is queued behind it or the service drains;
-        ``fn`` should then return within a step. Failures are logged: they must
-        not affect any call."""
+        for (drafting ahead). ``stop()`` turns true once a call's work is queued
+        behind it or the service drains; ``fn`` should then return within a step.
+        Failures are logged: they must not affect any call."""
         if self.draining:
             return
-        loop, since = asyncio.get_running_loop(), self._calls_submitted
+        since = self._calls_submitted
 
         def stop() -> bool:
             return self._calls_submitted != since or self.draining
@@ -149,9 +150,6 @@ class ModelHost:
                 fn(*args, stop)
             except Exception:  # noqa: BLE001
                 log.exception("background work on the %s model failed", self.config.role)
-            if then is not None:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(then)
 
         with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
             self.executor.submit(job)

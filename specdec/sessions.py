@@ -173,11 +173,9 @@ class SessionStore(Generic[S]):
         self._tokens -= session.tokens
         return True
 
-    def recount(self, session: Session[S]) -> None:
-        """Account a session that grew outside a call (drafting ahead) and enforce
-        the caps on the others."""
-        self._account(session)
-        self._enforce_caps(keep=session)
+    def holds(self, session: Session[S]) -> bool:
+        """Whether ``session`` is still held (not ended, evicted or replaced)."""
+        return self._sessions.get(session.id) is session
 
     def sweep(self) -> int:
         """Drop sessions idle for longer than the TTL; returns how many."""

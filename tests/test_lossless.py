@@ -40,6 +40,9 @@ class MemoRunner:
     def rollback(self, seq, position):
         del seq.tokens[position:]
 
+    def uncache(self, seq, keep):
+        pass  # no cache: logits come from the memo
+
     def logits(self, seq, last=1, run=0):
         rows = []
         for end in range(len(seq.tokens) - last + 1, len(seq.tokens) + 1):

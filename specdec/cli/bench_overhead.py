@@ -36,6 +36,9 @@ class FreeModel:
     def rollback(self, seq: Sequence, position: int) -> None:
         del seq.tokens[position:]
 
+    def uncache(self, seq: Sequence, keep: int) -> None:
+        pass  # no cache: logits are a table lookup
+
     def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         # Row n of the table predicts the token after a prefix of length n.
         rows = [(n % 256) for n in range(len(seq.tokens) - last + 1, len(seq.tokens) + 1)]

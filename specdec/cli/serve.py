@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from specdec.config import DEFAULT_PORTS
+from specdec.config import DEFAULT_PORTS, ServiceConfig, env_names, role_prefixes
 
 HOST = "127.0.0.1"
 
@@ -78,6 +78,17 @@ def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
     return {role: share if role in on_cpu else None for role in devices}
 
 
+def draft_shares_target_device(devices: dict[str, str], cpus: dict[str, set[int]] | None = None) -> bool:
+    """Whether the draft would compete with the target for compute: the same
+    accelerator, or CPUs with fewer than two cores between them. Drafting ahead
+    only pays with a device (or a core) of its own."""
+    if devices["draft"].startswith("cpu") and devices["target"].startswith("cpu"):
+        allowed = os.sched_getaffinity(0)
+        cores = (cpus or {}).get("draft", allowed) | (cpus or {}).get("target", allowed)
+        return len(cores) < 2
+    return devices["draft"] == devices["target"]
+
+
 def child_env(threads: int | None = None) -> dict[str, str]:
     """This environment, plus: unbuffered output (the services' logs interleave as
     they happen), the directory holding the specdec package on PYTHONPATH (a
@@ -88,6 +99,10 @@ def child_env(threads: int | None = None) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+# The variables that set the draft service's --draft-ahead (most specific first).
+DRAFT_AHEAD_ENV = env_names(ServiceConfig, "draft_ahead", role_prefixes("draft"))
 
 
 class Stack:
@@ -108,6 +123,10 @@ class Stack:
         # the services in order.
         kw = dict(stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         threads = cpu_threads(devices)
+        draft_env = child_env(threads["draft"])
+        if draft_shares_target_device(devices, cpus) and not set(DRAFT_AHEAD_ENV) & set(draft_env):
+            draft_env[DRAFT_AHEAD_ENV[0]] = "0"  # it would take compute from the target's verification
+        envs = {"draft": draft_env, "target": child_env(threads["target"])}
 
         def pinned(role: str) -> dict:
             mask = (cpus or {}).get(role)
@@ -117,7 +136,7 @@ class Stack:
             for role, model in (("draft", draft), ("target", target)):
                 self.procs[role] = subprocess.Popen(
                     [*cli, f"{role}-service", "--model", str(model), "--device", devices[role],
-                     "--port", str(ports[role]), *common], env=child_env(threads[role]), **kw, **pinned(role))
+                     "--port", str(ports[role]), *common], env=envs[role], **kw, **pinned(role))
             self.procs["coordinator"] = subprocess.Popen(
                 [*cli, "coordinator", "--draft", self.address("draft"), "--target", self.address("target"),
                  "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common],
