@@ -151,14 +151,15 @@ class Processes:
 
 
 def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) -> dict[tuple[float, bool], str]:
-    """Draft and target once, and a second draft service with --no-draft-ahead;
-    per RTT a coordinator (through netem proxies when RTT > 0), and one at 0 ms
-    for the draft that does not draft ahead. Returns {(rtt_ms, draft_ahead):
+    """Draft and target once; per RTT a coordinator (through netem proxies when
+    RTT > 0); with 0 ms among the RTTs also a draft service started with
+    --no-draft-ahead and its coordinator. Returns {(rtt_ms, draft_ahead):
     coordinator address}."""
     draft_port, plain_draft_port, target_port = free_port(), free_port(), free_port()
     procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
-    procs.start("draft-no-ahead", ["draft-service", "--model", str(draft_dir), "--port", str(plain_draft_port),
-                                   "--no-draft-ahead"], core=DRAFT_CORE)
+    if 0.0 in rtts:
+        procs.start("draft-no-ahead", ["draft-service", "--model", str(draft_dir), "--port", str(plain_draft_port),
+                                       "--no-draft-ahead"], core=DRAFT_CORE)
     procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
                 core=TARGET_CORE)
     target_addr = f"127.0.0.1:{target_port}"

@@ -9,9 +9,14 @@ import json
 import os
 import pathlib
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdec import kv_cache
+
+if TYPE_CHECKING:
+    from specdec.local import DraftsAhead
 
 # Never reach for a hub: models come from local directories only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,8 +33,7 @@ class Sequence:
 
     tokens: list[int]
     cache: object
-    # Draft side: drafts made ahead of the next request (a specdec.local.DraftsAhead).
-    ahead: object = None
+    ahead: DraftsAhead | None = None  # draft side: drafts made ahead of the next request
 
     @property
     def cache_length(self) -> int:
