@@ -160,3 +160,27 @@ def test_probes_one_round_in_probe_every():
         seen.append(g)
         policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))
     assert 2 <= sum(g > 0 for g in seen[200:]) <= 3  # 40 rounds: one in 16
+
+
+def test_the_probe_count_carries_into_the_next_request():
+    """Requests shorter than ``probe_every`` rounds still get probed: the count
+    of rounds without drafting goes on across :meth:`AdaptiveGamma.for_new_request`."""
+    policy = AdaptiveGamma(gamma_max=8, probe_every=16)
+
+    def one_round() -> int:
+        g = policy.choose()
+        policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))  # every draft rejected
+        return g
+
+    for _ in range(100):  # settle at γ = 0
+        one_round()
+    while one_round() == 0:  # up to a probe
+        pass
+    gap = 0
+    for i in range(40):
+        if i == 10:
+            policy = policy.for_new_request(carry=1.0)  # a new request, same evidence
+        gap += 1
+        if one_round():
+            break
+    assert gap == 17  # 16 rounds without drafting, then the probe
