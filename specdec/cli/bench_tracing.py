@@ -131,17 +131,14 @@ def _abba(requests: int, block: int) -> list[str]:
     return order
 
 
-def _cpu_seconds(pids) -> float | None:
-    """User + system CPU time of these processes so far (Linux /proc; None elsewhere)."""
-    total = 0.0
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
     try:
-        for pid in pids:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return total
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _one(client, request: dict) -> tuple[float, int]:
@@ -193,19 +190,18 @@ def run(args: argparse.Namespace) -> int:
             _one(clients[name], request)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         generated = {"off": 0, "on": 0}
-        pids = {name: [p.pid for p in s.procs.values()] for name, s in stacks.items()}
-        roles_pids = {name: dict(zip(s.procs, pids[name])) for name, s in stacks.items()}
-        cpu0 = {name: _cpu_seconds(pids[name]) for name in stacks}
-        role_cpu0 = {name: {r: _cpu_seconds([p]) for r, p in roles_pids[name].items()} for name in stacks}
+        pids = {name: {role: p.pid for role, p in s.procs.items()} for name, s in stacks.items()}
+        cpu0 = {name: {role: _cpu_seconds(pid) for role, pid in pids[name].items()} for name in stacks}
         tokens = 0
         for name in _abba(args.requests, args.block):
             rate, tokens = _one(clients[name], request)
             rates[name].append(rate)
             generated[name] += tokens
         time.sleep(6)  # the traced stack's last batch (every 5 s) is exported and billed
-        cpu = {name: (None if cpu0[name] is None else _cpu_seconds(pids[name]) - cpu0[name]) for name in stacks}
-        role_cpu = {name: {r: (None if c is None else _cpu_seconds([roles_pids[name][r]]) - c)
-                           for r, c in role_cpu0[name].items()} for name in stacks}
+        # CPU seconds each process spent on the measured requests (None: no /proc)
+        role_cpu = {name: {role: None if c is None else _cpu_seconds(pids[name][role]) - c
+                           for role, c in cpu0[name].items()} for name in stacks}
+        cpu = {name: None if None in r.values() else sum(r.values()) for name, r in role_cpu.items()}
         for client in clients.values():
             client.close()
     finally:
@@ -230,11 +226,9 @@ def run(args: argparse.Namespace) -> int:
         per_cpu = {name: generated[name] / cpu[name] for name in cpu}
         print(f"  CPU of the three services: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu['on']:.1f} on: "
               f"ratio {per_cpu['on'] / per_cpu['off']:.3f} (exporters' threads included; not the receiver)")
-        per_role = [f"{r} {1e3 * role_cpu['off'][r] / generated['off']:.2f} -> "
-                    f"{1e3 * role_cpu['on'][r] / generated['on']:.2f}" for r in role_cpu["off"]
-                    if role_cpu["off"][r] is not None and role_cpu["on"][r] is not None]
-        if per_role:
-            print("  CPU ms per token, off -> on: " + ", ".join(per_role))
+        print("  CPU ms per token, off -> on: " + ", ".join(
+            f"{r} {1e3 * role_cpu['off'][r] / generated['off']:.2f} -> {1e3 * role_cpu['on'][r] / generated['on']:.2f}"
+            for r in role_cpu["off"]))
     print(f"  exported: {len(receiver.spans)} spans over OTLP in {receiver.exports} batches, "
           f"{lines} spans to {trace_file}")
     return 0
