@@ -21,7 +21,8 @@ from typing import Iterator
 import grpc
 
 from specdec import errors, proto_convert as conv
-from specdec.telemetry import RpcRecord, instrument_client_channel
+from specdec.server import DRAFT_SERVICE, TARGET_SERVICE
+from specdec.telemetry import ClientCalls, RpcRecord
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.rounds import DraftToken, SessionState
 from specdec.sampling import SamplingParams
@@ -51,8 +52,9 @@ class ServiceClient:
         self.info_timeout_s = info_timeout_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub
-        # Traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
-        self.stub = stub_cls(instrument_client_channel(self.channel, role, metrics))
+        self.stub = stub_cls(self.channel)
+        # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
+        self.calls = ClientCalls(role, DRAFT_SERVICE if role == "draft" else TARGET_SERVICE, metrics)
 
     def model_info(self) -> pb.ModelInfo:
         """A service that is still starting (not listening yet, or loading its
@@ -61,9 +63,9 @@ class ServiceClient:
         deadline = time.monotonic() + self.info_timeout_s
         while True:
             try:
-                return self.stub.GetModelInfo(
-                    pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
-                )
+                with self.calls.call("GetModelInfo") as call:
+                    return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()),
+                                                  wait_for_ready=True, metadata=call.metadata)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 > deadline:
                     raise self.translate(e, "GetModelInfo") from None
@@ -73,9 +75,9 @@ class ServiceClient:
         """Free the session's state in the service; best effort (a dead service
         holds nothing to free), so failures are logged, not raised."""
         try:
-            return self.stub.EndSession(
-                pb.EndSessionRequest(session_id=session_id), timeout=self.info_timeout_s
-            ).existed
+            with self.calls.call("EndSession") as call:
+                return self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=self.info_timeout_s,
+                                            metadata=call.metadata).existed
         except grpc.RpcError as e:
             log.warning("EndSession(%s) on %s service %s failed: %s", session_id, self.role, self.address, _details(e))
             return False
@@ -171,14 +173,16 @@ class RemoteProposer:
             yielded = received = 0
             started = time.perf_counter()
             try:
-                for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s):
-                    received += message.ByteSize()
-                    if message.HasField("timing"):  # the last token: the call is complete
-                        self._account(message.timing, gamma, retries.refilled,
-                                      time.perf_counter() - started, request.ByteSize(), received)
-                    yielded += 1
-                    # q stays the received message: the coordinator only forwards it.
-                    yield DraftToken(message.token, message.q if message.HasField("q") else None)
+                with self.client.calls.call("Propose") as call:
+                    for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
+                                                            metadata=call.metadata):
+                        received += message.ByteSize()
+                        if message.HasField("timing"):  # the last token: the call is complete
+                            call.record(self._account(message.timing, gamma, retries.refilled,
+                                                      time.perf_counter() - started, request.ByteSize(), received))
+                        yielded += 1
+                        # q stays the received message: the coordinator only forwards it.
+                        yield DraftToken(message.token, message.q if message.HasField("q") else None)
                 return
             except grpc.RpcError as e:
                 action = None if yielded else retries.after(e, position, self.client, self.session_id)
@@ -189,13 +193,14 @@ class RemoteProposer:
                     position = self.state.draft_synced = 0
 
     def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool, waited_s: float,
-                 sent: int, received: int) -> None:
+                 sent: int, received: int) -> RpcRecord:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
         if not s.calls or refill:
             s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
         s.refills += refill
         s.calls.append(RpcRecord.of_call("draft", waited_s, timing, sent, received))
+        return s.calls[-1]
 
 
 class RemoteVerifier:
@@ -212,8 +217,12 @@ class RemoteVerifier:
             request = conv.verify_request(self.session_id, self.ids.next_id, position, new_tokens, drafts, params)
             started = time.perf_counter()
             try:
-                response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s)
-                waited = time.perf_counter() - started
+                with self.client.calls.call("Verify") as call:
+                    response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s,
+                                                       metadata=call.metadata)
+                    record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,
+                                               request.ByteSize(), response.ByteSize())
+                    call.record(record)
                 break
             except grpc.RpcError as e:
                 action = retries.after(e, position, self.client, self.session_id)
@@ -226,6 +235,6 @@ class RemoteVerifier:
         if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.refills += retries.refilled
-        s.calls.append(RpcRecord.of_call("target", waited, response.timing, request.ByteSize(), response.ByteSize()))
+        s.calls.append(record)
         self.ids.next_id += 1  # Verify ends the round
         return Verdict(accepted=response.accepted, next_token=response.next_token)

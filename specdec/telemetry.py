@@ -7,18 +7,19 @@ of their own:
 * :class:`RoundObserver` — ``run_rounds`` wraps each round in ``observer.round()``:
   a span per round (γ, accepted, bytes, the time split) and the coordinator's
   per-round metrics.
-* :class:`RpcTimingInterceptor` — on the coordinator's channels to the draft and
-  target: times each Propose/Verify as the client saw it, reads the
-  ``ServerTiming`` in the reply, and records network + serialisation = observed −
-  (queue + compute + copy) on the RPC's client span and on the current round.
+* :class:`ClientCalls` — the coordinator's calls to the draft and target: a
+  CLIENT span per call carrying W3C trace context, and for each Propose/Verify
+  the client-observed time with the ``ServerTiming`` in the reply: network +
+  serialisation = observed − (queue + compute + copy), on the RPC's client span,
+  on the current round and in the metrics.
 * :class:`ServerObserver` — on every service: annotates the SERVER span with the
   reply's ``ServerTiming``, counts model work, latency and errors by gRPC code.
 * :class:`ServiceTelemetry` — the ``--trace-file`` / ``--metrics-port`` flags and
   what a service process starts from them.
 
 Everything degrades to (almost) nothing: with tracing off and no metrics port,
-the interceptors are not installed and ``observer.round()`` hands back a shared
-no-op scope.
+the services install no interceptor, the coordinator's calls get a shared null
+call and ``observer.round()`` hands back a shared no-op scope.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from typing import Iterator, Mapping
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec import tracing
@@ -77,62 +78,78 @@ class RpcRecord:
 _CURRENT_ROUND: contextvars.ContextVar["RoundScope | None"] = contextvars.ContextVar("specdec_round", default=None)
 
 
-class RpcTimingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Client interceptor for the coordinator's channel to one side ("draft" or
-    "target"). Only calls whose replies carry a ``timing`` field are recorded."""
+class ClientCalls:
+    """The coordinator's calls to one service (``side``: "draft" | "target").
 
-    def __init__(self, side: str, metrics: CoordinatorMetrics | None = None):
-        self.side, self.metrics = side, metrics
+    Each call gets a CLIENT span named and attributed as OpenTelemetry's gRPC
+    instrumentation names them (``/specdec.v1.DraftService/Propose``, ``rpc.*``),
+    with its W3C trace context in the call's metadata, so the service's SERVER
+    span is its child. A call whose reply carries the server's ``ServerTiming``
+    gets its :class:`RpcRecord` on that span, on the current round and in the
+    metrics (:meth:`Call.record`).
 
-    def intercept_unary_unary(self, continuation, call_details, request):
-        start, span, scope = time.perf_counter(), trace.get_current_span(), _CURRENT_ROUND.get()
-        outcome = continuation(call_details, request)
-        if isinstance(outcome, grpc.RpcError):  # failed: nothing to split
-            return outcome
+    Why not the instrumentation's client interceptor: the coordinator's channels
+    are synchronous, and grpc's intercepted-channel wrappers plus the interceptor
+    cost more CPU per call than the span itself (``docs/benchmarks.md``, tracing
+    overhead). Here a call costs one ``start_span`` and one ``inject``; with
+    tracing off and no metrics, nothing but a shared null call."""
 
-        def done(future):
-            try:
-                response = future.result()
-            except Exception:  # noqa: BLE001 -- the caller sees the error itself
-                return
-            if _has_timing(response):
-                self._record(span, scope, time.perf_counter() - start, request.ByteSize(),
-                             response.ByteSize(), response.timing)
+    def __init__(self, side: str, service: str, metrics: CoordinatorMetrics | None = None):
+        self.side, self.service, self.metrics = side, service, metrics
+        self._untraced = Call(self, trace.INVALID_SPAN, None) if metrics is not None else _NULL_CALL
 
-        outcome.add_done_callback(done)  # at once for blocking calls
-        return outcome
+    @contextlib.contextmanager
+    def call(self, method: str) -> Iterator["Call"]:
+        """Around one attempt of ``method``: pass ``call.metadata`` to the stub.
+        An ``RpcError`` leaving the block marks the span failed with its code."""
+        if not tracing.enabled():
+            yield self._untraced
+            return
+        span = tracing.tracer().start_span(
+            f"/{self.service}/{method}", kind=trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": method,
+                        "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]})
+        carrier: dict[str, str] = {}
+        # Not made current: Propose's stream is read inside a generator, and a
+        # context attached there would leak into the round loop between yields.
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        try:
+            yield Call(self, span, tuple(carrier.items()))
+        except grpc.RpcError as e:
+            code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {e.details() if hasattr(e, 'details') else e}"))
+            raise
+        finally:
+            span.end()
 
-    def intercept_unary_stream(self, continuation, call_details, request):
-        start, span, scope = time.perf_counter(), trace.get_current_span(), _CURRENT_ROUND.get()
-        return self._timed(continuation(call_details, request), start, span, scope, request.ByteSize())
 
-    def _timed(self, responses, start, span, scope, bytes_out) -> Iterator:
-        bytes_in, timing = 0, None
-        for message in responses:
-            bytes_in += message.ByteSize()
-            if _has_timing(message):
-                timing = message.timing
-            yield message
-        if timing is not None:  # the stream completed with the server's account
-            self._record(span, scope, time.perf_counter() - start, bytes_out, bytes_in, timing)
+class Call:
+    """One call in progress (see :meth:`ClientCalls.call`)."""
 
-    def _record(self, span, scope, observed_s, bytes_out, bytes_in, timing) -> None:
-        rec = RpcRecord.of_call(self.side, observed_s, timing, bytes_out, bytes_in)
-        if span.is_recording():
-            span.set_attributes({
-                "specdec.server.queue_s": rec.queue_s,
-                "specdec.server.compute_s": rec.compute_s,
-                "specdec.server.copy_s": rec.copy_s,
-                "specdec.server.computed_tokens": rec.computed_tokens,
-                "specdec.observed_s": rec.observed_s,
-                "specdec.network_s": rec.network_s,
-                "specdec.bytes_out": bytes_out,
-                "specdec.bytes_in": bytes_in,
-            })
+    __slots__ = ("_calls", "span", "metadata")
+
+    def __init__(self, calls: ClientCalls | None, span, metadata: tuple | None):
+        self._calls, self.span, self.metadata = calls, span, metadata
+
+    def record(self, rec: RpcRecord) -> None:
+        """The completed call, with the server's own account of it."""
+        if self._calls is None:  # tracing off, no metrics: nobody reads it
+            return
+        if self.span.is_recording():
+            # The split only: the server's parts are on its SERVER span, the bytes
+            # on the round span (each attribute costs CPU to set and to export).
+            self.span.set_attributes({"specdec.observed_s": rec.observed_s, "specdec.server_s": rec.server_s,
+                                      "specdec.network_s": rec.network_s})
+        scope = _CURRENT_ROUND.get()
         if scope is not None:
             scope.calls.append(rec)
-        if self.metrics is not None:
-            self.metrics.observe_call(self.side, rec.network_s, bytes_out, bytes_in)
+        metrics = self._calls.metrics
+        if metrics is not None:
+            metrics.observe_call(rec.side, rec.network_s, rec.bytes_out, rec.bytes_in)
+
+
+_NULL_CALL = Call(None, trace.INVALID_SPAN, None)
 
 
 def _has_timing(message) -> bool:
@@ -140,14 +157,6 @@ def _has_timing(message) -> bool:
         return message.HasField("timing")
     except ValueError:  # the message type has no such field
         return False
-
-
-def instrument_client_channel(channel: grpc.Channel, side: str, metrics: CoordinatorMetrics | None = None):
-    """The coordinator's channel to ``side``, traced and timed (unchanged when
-    tracing is off and there are no metrics). Close the raw channel, not this."""
-    if not tracing.enabled() and metrics is None:
-        return channel
-    return tracing.instrument_channel(channel, RpcTimingInterceptor(side, metrics))
 
 
 # ====================================================================== rounds
@@ -176,7 +185,7 @@ class RoundScope:
 
 
 class _NullScope:
-    calls: tuple = ()  # nothing records into it (the RPC interceptor is not installed)
+    calls: tuple = ()  # never current: nothing records into it
 
     def done(self, result) -> None:
         pass
@@ -245,18 +254,17 @@ def round_attributes(index: int, result, calls: list[RpcRecord], phases: Mapping
         "specdec.bytes_out": sum(c.bytes_out for c in calls),
         "specdec.bytes_in": sum(c.bytes_in for c in calls),
         "specdec.round_s": wall_s,
-        "specdec.draft.observed_s": result.draft_s,
-        "specdec.target.observed_s": result.verify_s,
         "specdec.coordinator_s": phases["coordinator"],
     }
     for side in SIDES:
         mine = [c for c in calls if c.side == side]
-        attrs[f"specdec.{side}.calls"] = len(mine)
         if mine:
             attrs[f"specdec.{side}.compute_s"] = sum(c.compute_s for c in mine)
             attrs[f"specdec.{side}.queue_s"] = sum(c.queue_s for c in mine)
-            attrs[f"specdec.{side}.copy_s"] = sum(c.copy_s for c in mine)
             attrs[f"specdec.{side}.network_s"] = sum(c.network_s for c in mine)
+            copy_s = sum(c.copy_s for c in mine)
+            if copy_s:  # absent = 0: never set on CPU, and each attribute costs CPU to export
+                attrs[f"specdec.{side}.copy_s"] = copy_s
         else:  # in process: all of it is compute
             attrs[f"specdec.{side}.compute_s"] = phases[side]
     if result.finish_reason:

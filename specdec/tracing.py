@@ -1,5 +1,6 @@
-"""Traces (DESIGN §5): the tracer provider, the JSON-lines file exporter and the
-gRPC interceptors that carry W3C trace context between the three services.
+"""Traces (DESIGN §5): the tracer provider, the JSON-lines file exporter and
+the server interceptor that reads W3C trace context from the caller (the
+coordinator writes it: :class:`specdec.telemetry.ClientCalls`).
 
 Configuration is the standard OpenTelemetry environment, plus one file flag:
 
@@ -51,9 +52,19 @@ GEN_AI_CONVERSATION = "gen_ai.conversation.id"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 
+_tracer_of: tuple[object, trace.Tracer] | None = None  # (provider, its tracer)
+
+
 def tracer() -> trace.Tracer:
-    """specdec's tracer (a proxy: it follows whatever provider is installed later)."""
-    return trace.get_tracer(TRACER_NAME)
+    """specdec's tracer from the provider installed now. Kept per provider: the
+    SDK builds a new Tracer on every ``get_tracer`` call (~50 µs, several per
+    round otherwise)."""
+    global _tracer_of
+    provider = trace.get_tracer_provider()
+    cached = _tracer_of
+    if cached is None or cached[0] is not provider:
+        cached = _tracer_of = (provider, trace.get_tracer(TRACER_NAME))
+    return cached[1]
 
 
 def enabled() -> bool:
@@ -219,24 +230,6 @@ def server_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
     return [aio_server_interceptor()]
-
-
-def instrument_channel(channel, *inner_interceptors):
-    """A synchronous channel whose calls get a CLIENT span each and carry W3C trace
-    context in their metadata; ``inner_interceptors`` (grpc client interceptors)
-    run inside the client span, so they can annotate it.
-
-    Keep the raw channel to close it: the wrapper has no ``close``."""
-    import grpc
-
-    if inner_interceptors:
-        channel = grpc.intercept_channel(channel, *inner_interceptors)
-    if not enabled():
-        return channel
-    from opentelemetry.instrumentation.grpc import client_interceptor
-    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
-
-    return intercept_channel(channel, client_interceptor())
 
 
 # ---------------------------------------------------------------- the generation span

@@ -116,8 +116,10 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
     for c in clients:
         assert by_id[c["parent_span_id"]]["name"] == "specdec.round"
         ca = c["attributes"]
-        assert ca["specdec.network_s"] >= 0 and ca["specdec.server.compute_s"] > 0
-        assert ca["specdec.observed_s"] >= ca["specdec.network_s"]
+        assert ca["specdec.network_s"] >= 0 and ca["specdec.server_s"] > 0
+        assert ca["specdec.observed_s"] == pytest.approx(ca["specdec.server_s"] + ca["specdec.network_s"]) \
+            or ca["specdec.network_s"] == 0  # clamped: the two clocks are read at slightly different moments
+        assert (ca["rpc.system"], ca["rpc.method"], ca["rpc.grpc.status_code"]) == ("grpc", c["name"].rsplit("/", 1)[1], 0)
     for s in trace:
         if s["kind"] == "SERVER" and s["service"] in ("specdec-draft", "specdec-target"):
             parent = by_id[s["parent_span_id"]]

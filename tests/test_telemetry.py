@@ -124,6 +124,7 @@ def test_round_span_splits_the_round_into_phases(provider):
     assert a["specdec.draft.network_s"] == pytest.approx(0.003)
     assert a["specdec.target.network_s"] == pytest.approx(0.003)
     assert a["specdec.target.queue_s"] == pytest.approx(0.002)
+    assert a["specdec.draft.copy_s"] == pytest.approx(0.001) and "specdec.target.copy_s" not in a  # 0: not set
     phases = sum(a[k] for k in ("specdec.draft.compute_s", "specdec.target.compute_s", "specdec.draft.copy_s",
                                 "specdec.target.queue_s", "specdec.draft.network_s", "specdec.target.network_s",
                                 "specdec.coordinator_s"))
