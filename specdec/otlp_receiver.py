@@ -63,27 +63,39 @@ class _Servicer(ts_grpc.TraceServiceServicer):
         self.receiver = receiver
 
     def Export(self, request, context):
-        self.receiver._add(flatten(request), request.ByteSize())
+        if self.receiver.keep:
+            spans = flatten(request)
+            count = len(spans)
+        else:
+            spans, count = [], sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        self.receiver._add(spans, count, request.ByteSize())
         return ts_pb2.ExportTraceServiceResponse()
 
 
 class OtlpReceiver:
-    """``with OtlpReceiver() as r:`` point exporters at ``r.endpoint``; read ``r.spans``."""
+    """``with OtlpReceiver() as r:`` point exporters at ``r.endpoint``; read ``r.spans``.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    ``keep=False`` only counts what arrives (``span_count``): a benchmark's
+    receiver then costs about what a collector's network read would, instead
+    of flattening and holding every span in the benchmarking process."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: bool = True):
         self._lock = threading.Lock()
         self._spans: list[dict] = []
+        self.keep = keep
         self.exports = 0
+        self.span_count = 0
         self.bytes = 0
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
         ts_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         self.endpoint = f"http://{host}:{self.port}"
 
-    def _add(self, spans: list[dict], size: int) -> None:
+    def _add(self, spans: list[dict], count: int, size: int) -> None:
         with self._lock:
             self._spans.extend(spans)
             self.exports += 1
+            self.span_count += count
             self.bytes += size
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -306,3 +307,68 @@ def test_trace_report_without_rounds_explains(tmp_path, capsys):
     path.write_text("")
     assert _trace_report(str(path)) == 1
     assert "--trace-file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the coordinator's calls
+
+
+class _Failed(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection refused"
+
+
+def test_client_call_spans_carry_their_context_and_the_split(provider):
+    metrics = CoordinatorMetrics()
+    calls = telemetry.ClientCalls("target", "specdec.v1.TargetService", metrics)
+    observer = telemetry.RoundObserver(metrics)
+    with observer.round(0) as scope:
+        with calls.call("Verify") as call:
+            (key, traceparent), = call.metadata
+            rec = telemetry.RpcRecord("target", observed_s=0.020, queue_s=0.002, compute_s=0.015, bytes_out=9,
+                                      bytes_in=7)
+            call.record(rec)
+        with pytest.raises(_Failed):
+            with calls.call("Verify"):
+                raise _Failed()
+        assert scope.calls == [rec]
+        scope.done(RoundResult([1], 1, 0, 0.0, 0.02, None))
+    spans = provider.memory.get_finished_spans()
+    ok, failed = [s for s in spans if s.kind == trace.SpanKind.CLIENT]
+    (round_span,) = [s for s in spans if s.name == "specdec.round"]
+    # The service's SERVER span is the child of exactly this span.
+    assert key == "traceparent" and traceparent.split("-")[1:3] == [f"{ok.context.trace_id:032x}",
+                                                                     f"{ok.context.span_id:016x}"]
+    assert ok.name == "/specdec.v1.TargetService/Verify" and ok.parent.span_id == round_span.context.span_id
+    a = ok.attributes
+    assert (a["rpc.system"], a["rpc.service"], a["rpc.method"], a["rpc.grpc.status_code"]) == \
+        ("grpc", "specdec.v1.TargetService", "Verify", 0)
+    assert (a["specdec.observed_s"], a["specdec.server_s"]) == pytest.approx((0.020, 0.017))
+    assert a["specdec.network_s"] == pytest.approx(0.003)
+    assert failed.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert failed.status.status_code == trace.StatusCode.ERROR and "connection refused" in failed.status.description
+    assert metrics.registry.get_sample_value("specdec_rpc_bytes_total", {"side": "target", "direction": "out"}) == 9
+
+
+def test_client_calls_cost_nothing_when_off():
+    calls = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
+    with calls.call("Propose") as call:
+        assert call.metadata is None and not call.span.is_recording()
+        call.record(telemetry.RpcRecord("draft", observed_s=0.01))  # ignored
+
+
+def test_receiver_that_keeps_nothing_still_counts(provider):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from specdec.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver(keep=False) as receiver:
+        exporter = OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)
+        for name in ("a", "b", "c"):
+            with tracing.tracer().start_as_current_span(name):
+                pass
+        exporter.export(provider.memory.get_finished_spans())
+        exporter.shutdown()
+        assert (receiver.span_count, receiver.exports, receiver.spans) == (3, 1, [])

@@ -1,15 +1,19 @@
 """``specdec bench-tracing``: tokens/s with tracing exporting vs tracing off, in one run.
 
-Two identical stacks (draft, target, coordinator: six processes) start side by
-side from the same models: one with nothing configured, one exporting every span
-both over OTLP/gRPC (to a receiver in this process) and to a JSON-lines trace
-file, with the SDK's default batching. The same greedy request then goes to
-each, in blocks of ``--block`` requests in ABBA order (off, on, on, off, ...), so
-that drift (thermal, other load) hits both alike and the traced stack's batch
-exports (every 512 spans or 5 s) land inside its own blocks; the medians of
-client-observed tokens/s are compared. Because wall-clock rates on a shared
-machine swing with everyone else's load, it also reports tokens per CPU-second
-of each stack's three processes (from /proc), which other load barely moves.
+Identical stacks (draft, target, coordinator: three processes each) start side
+by side from the same models: ``--stacks`` with nothing configured ("off") and as
+many exporting every span over OTLP/gRPC (to a receiver in this process) and/or
+to a JSON-lines trace file, with the SDK's default batching ("on"). The same
+greedy request then goes to each stack in turn, in blocks of ``--block``
+requests, the order reversed every other round (off-1, on-1, off-2, on-2, then
+on-2, off-2, on-1, off-1, ...), so that drift (thermal, other load) hits both
+modes alike and the traced stacks' batch exports (every 512 spans or 5 s) land
+inside their own blocks; the medians of client-observed tokens/s are compared.
+Two stacks per mode, because two *identical* stacks on a shared machine differ
+by a few %: the bench prints how far the stacks of one mode differ (the noise
+floor of the comparison) next to the ratio. Because wall-clock rates swing with
+everyone else's load, it also reports tokens per CPU-second of each mode's
+processes (from /proc), which other load moves less.
 
 Processes are pinned (``--cpus``), because on a shared machine unpinned stacks
 land on different cores and two *identical* stacks then differ by up to 2x;
@@ -49,8 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (default: a code prompt)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated prompt ids instead (models without tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
-    p.add_argument("--requests", type=int, default=16, help="requests per stack, after warm-up (default 16)")
-    p.add_argument("--block", type=int, default=4, help="consecutive requests per stack (default 4)")
+    p.add_argument("--requests", type=int, default=24, help="requests per mode, after warm-up (default 24)")
+    p.add_argument("--block", type=int, default=2, help="consecutive requests per stack (default 2)")
+    p.add_argument("--stacks", type=int, default=2, metavar="N",
+                   help="stacks per mode (default 2: the two of a mode show the bench's own noise)")
     p.add_argument("--gamma-policy", default="static:4", help="gamma policy of every request (default static:4)")
     p.add_argument("--exporter", choices=["both", "otlp", "file", "none"], default="otlp",
                    help="what the traced stack exports to: OTLP/gRPC, the trace file, or both (default otlp); "
@@ -118,16 +124,21 @@ def _start(name: str, env: dict[str, str], args, target, draft, workdir: pathlib
                      log=workdir / f"{name}.log", cpus=cpus)
 
 
-def _abba(requests: int, block: int) -> list[str]:
-    """Which stack serves each request: blocks of ``block`` in the order off, on,
-    on, off, off, on, ... (``requests`` per stack)."""
-    order, n = [], 0
+def stack_names(per_mode: int) -> list[str]:
+    """off-1, on-1, off-2, on-2, ..."""
+    return [f"{mode}-{i}" for i in range(1, per_mode + 1) for mode in ("off", "on")]
+
+
+def serving_order(names: list[str], requests: int, block: int) -> list[tuple[int, str]]:
+    """Which stack serves each request, as (round, stack): in each round every
+    stack serves ``block`` requests in turn, the order reversed every other round
+    (ABBA), until each has served ``requests``."""
+    order, n, rounds = [], 0, 0
     while n < requests:
         size = min(block, requests - n)
-        pair = ("off", "on") if (n // block) % 2 == 0 else ("on", "off")
-        for name in pair:
-            order += [name] * size
-        n += size
+        for name in (names if rounds % 2 == 0 else names[::-1]):
+            order += [(rounds, name)] * size
+        n, rounds = n + size, rounds + 1
     return order
 
 
@@ -168,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         request["prompt"] = args.prompt
 
-    receiver = OtlpReceiver().start()
+    receiver = OtlpReceiver(keep=False).start()  # counts spans: a collector's work is not the services'
     traced_env = {}
     if not 0.0 <= args.sample <= 1.0:
         raise ValueError(f"--sample must be in [0, 1], got {args.sample}")
@@ -179,59 +190,91 @@ def run(args: argparse.Namespace) -> int:
                           OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     if args.exporter in ("both", "file"):
         traced_env["SPECDEC_TRACE_FILE"] = str(trace_file)
+    if args.stacks < 1 or args.block < 1 or args.requests < 1:
+        raise ValueError("--stacks, --block and --requests must be at least 1")
+    names = stack_names(args.stacks)
+    per_stack = -(-args.requests // args.stacks)
+    order = serving_order(names, per_stack, args.block)
     stacks = {}
     try:
-        stacks["off"] = _start("off", {}, args, target, draft, workdir, roles)
-        stacks["on"] = _start("on", traced_env, args, target, draft, workdir, roles)
+        for name in names:
+            stacks[name] = _start(name, traced_env if name.startswith("on") else {}, args, target, draft, workdir,
+                                  roles)
         for stack in stacks.values():
             stack.wait_serving()
         clients = {name: Client(s.address("coordinator")) for name, s in stacks.items()}
-        for name in ("off", "on", "off", "on"):  # warm-up: first-call costs, caches
+        for name in names + names[::-1]:  # warm-up: first-call costs, caches
             _one(clients[name], request)
-        rates: dict[str, list[float]] = {"off": [], "on": []}
-        generated = {"off": 0, "on": 0}
         pids = {name: {role: p.pid for role, p in s.procs.items()} for name, s in stacks.items()}
         cpu0 = {name: {role: _cpu_seconds(pid) for role, pid in pids[name].items()} for name in stacks}
+        served: list[tuple[int, str, float]] = []  # (round of the order, stack, tokens/s)
+        generated = dict.fromkeys(names, 0)
         tokens = 0
-        for name in _abba(args.requests, args.block):
+        for round_, name in order:
             rate, tokens = _one(clients[name], request)
-            rates[name].append(rate)
+            served.append((round_, name, rate))
             generated[name] += tokens
-        time.sleep(6)  # the traced stack's last batch (every 5 s) is exported and billed
+        time.sleep(6)  # the traced stacks' last batches (every 5 s) are exported and billed
         # CPU seconds each process spent on the measured requests (None: no /proc)
         role_cpu = {name: {role: None if c is None else _cpu_seconds(pids[name][role]) - c
                            for role, c in cpu0[name].items()} for name in stacks}
-        cpu = {name: None if None in r.values() else sum(r.values()) for name, r in role_cpu.items()}
         for client in clients.values():
             client.close()
     finally:
         for stack in stacks.values():
             stack.stop()
         receiver.stop()
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    block_ratios = [statistics.mean(rates["on"][i:i + args.block]) / statistics.mean(rates["off"][i:i + args.block])
-                    for i in range(0, len(rates["on"]), args.block)]
+    report(args, served, generated, role_cpu, tokens, f"models {target} / {draft}; {_layout(roles, cpus)}")
     lines = trace_file.read_text().count("\n") if trace_file.is_file() else 0
-    print(f"tracing overhead: {args.requests} requests per stack of {tokens} tokens each ({args.gamma_policy}, "
-          f"greedy), ABBA blocks of {args.block}; models {target} / {draft}; "
-          f"{_layout(roles, cpus)}")
-    print(f"  tracing off                        {off:8.1f} tok/s  (median; min {min(rates['off']):.1f}, "
-          f"max {max(rates['off']):.1f})")
-    sampled = "" if args.sample >= 1.0 else f", {args.sample:g} sampled"
-    print(f"  tracing on ({args.exporter}{sampled}) exporting     {on:8.1f} tok/s  (median; min {min(rates['on']):.1f}, "
-          f"max {max(rates['on']):.1f})")
-    print(f"  ratio on/off: {on / off:.3f} (medians); per block pair: "
-          + " ".join(f"{r:.3f}" for r in block_ratios))
-    if cpu["off"] and cpu["on"]:
-        per_cpu = {name: generated[name] / cpu[name] for name in cpu}
-        print(f"  CPU of the three services: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu['on']:.1f} on: "
-              f"ratio {per_cpu['on'] / per_cpu['off']:.3f} (exporters' threads included; not the receiver)")
-        print("  CPU ms per token, off -> on: " + ", ".join(
-            f"{r} {1e3 * role_cpu['off'][r] / generated['off']:.2f} -> {1e3 * role_cpu['on'][r] / generated['on']:.2f}"
-            for r in role_cpu["off"]))
-    print(f"  exported: {len(receiver.spans)} spans over OTLP in {receiver.exports} batches, "
+    print(f"  exported: {receiver.span_count} spans over OTLP in {receiver.exports} batches, "
           f"{lines} spans to {trace_file}")
     return 0
+
+
+def _mode(name: str) -> str:
+    return name.split("-", 1)[0]
+
+
+def report(args, served: list[tuple[int, str, float]], generated: dict[str, int],
+           role_cpu: dict[str, dict[str, float | None]], tokens: int, where: str) -> None:
+    """Print the comparison: medians per mode and per stack, the ratio per round of
+    the serving order with its spread, and CPU per token by process."""
+    rates = {m: [r for _, n, r in served if _mode(n) == m] for m in ("off", "on")}
+    by_stack: dict[str, list[float]] = {}
+    for _, name, rate in served:
+        by_stack.setdefault(name, []).append(rate)
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    rounds = sorted({r for r, _, _ in served})
+    per_round = [statistics.mean(x for r, n, x in served if r == k and _mode(n) == "on")
+                 / statistics.mean(x for r, n, x in served if r == k and _mode(n) == "off") for k in rounds]
+    sampled = "" if args.sample >= 1.0 else f", {args.sample:g} sampled"
+    print(f"tracing overhead: {len(rates['off'])} requests per mode of {tokens} tokens each ({args.gamma_policy}, "
+          f"greedy) over {args.stacks} stack(s) per mode, blocks of {args.block} in ABBA order; {where}")
+    for mode, label in (("off", "tracing off"), ("on", f"tracing on ({args.exporter}{sampled}) exporting")):
+        stacks = ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in by_stack.items() if _mode(n) == mode)
+        print(f"  {label:34s} {statistics.median(rates[mode]):8.1f} tok/s  (median; min {min(rates[mode]):.1f}, "
+              f"max {max(rates[mode]):.1f}; per stack: {stacks})")
+    print(f"  ratio on/off: {on / off:.3f} (medians)")
+    if len(per_round) > 1:
+        mean, half = statistics.mean(per_round), 2 * statistics.stdev(per_round) / len(per_round) ** 0.5
+        print(f"  ratio per round of the order: mean {mean:.3f} ± {half:.3f} (2 standard errors, {len(per_round)} "
+              f"rounds): " + " ".join(f"{r:.3f}" for r in per_round))
+    for mode in ("off", "on"):
+        mine = [statistics.median(v) for n, v in by_stack.items() if _mode(n) == mode]
+        if len(mine) > 1:
+            print(f"  noise floor: the {mode} stacks' medians differ by {100 * (max(mine) / min(mine) - 1):.1f}% "
+                  "(identical stacks, same requests)")
+    cpu = {m: [c for n, roles in role_cpu.items() if _mode(n) == m for c in roles.values()] for m in ("off", "on")}
+    if all(cpu[m] and None not in cpu[m] for m in cpu):
+        made = {m: sum(g for n, g in generated.items() if _mode(n) == m) for m in ("off", "on")}
+        per_cpu = {m: made[m] / sum(cpu[m]) for m in cpu}
+        print(f"  CPU of the services: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu['on']:.1f} on: "
+              f"ratio {per_cpu['on'] / per_cpu['off']:.3f} (exporters' threads included; not the receiver)")
+        roles = next(iter(role_cpu.values())).keys()
+        ms = {m: {role: 1e3 * sum(role_cpu[n][role] for n in role_cpu if _mode(n) == m) / made[m] for role in roles}
+              for m in ("off", "on")}
+        print("  CPU ms per token, off -> on: " + ", ".join(f"{r} {ms['off'][r]:.2f} -> {ms['on'][r]:.2f}"
+                                                          for r in roles))
 
 
 def _layout(roles: dict[str, set[int]] | None, cpus: set[int] | None) -> str:
