@@ -33,12 +33,16 @@ log = logging.getLogger("specdec.coordinator")
 # Generous message limits: a dense q is vocab × γ × 4 bytes (4 MB at 128k × 8).
 # Reconnect quickly: a restarted (or late-starting) service is picked up within a
 # couple of seconds instead of after gRPC's default backoff of up to two minutes.
+# Read Propose's stream on the calling thread: by default grpc starts a thread
+# per streaming call and hands every message over to the reader, ~0.2 ms of the
+# coordinator's CPU per round (docs/benchmarks.md, tracing overhead).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 
 
