@@ -19,6 +19,7 @@ import time
 from typing import Iterator
 
 import grpc
+import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
 from specdec import errors, proto_convert as conv
 from specdec.server import DRAFT_SERVICE, TARGET_SERVICE
@@ -175,9 +176,9 @@ class RemoteProposer:
                 self.session_id, self.ids.next_id, position, new_tokens, gamma, params, draft_top_k
             )
             yielded = received = 0
-            started = time.perf_counter()
             try:
                 with self.client.calls.call("Propose") as call:
+                    started = time.perf_counter()  # after the span's setup: that is the coordinator's time
                     for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
                                                             metadata=call.metadata):
                         received += message.ByteSize()
@@ -219,9 +220,9 @@ class RemoteVerifier:
         retries = _Retries()
         while True:
             request = conv.verify_request(self.session_id, self.ids.next_id, position, new_tokens, drafts, params)
-            started = time.perf_counter()
             try:
                 with self.client.calls.call("Verify") as call:
+                    started = time.perf_counter()
                     response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s,
                                                        metadata=call.metadata)
                     record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,

@@ -105,6 +105,8 @@ class OtlpReceiver:
 
     def wait_for(self, predicate, timeout: float = 30.0) -> list[dict]:
         """Poll until ``predicate(spans)`` holds; return the spans (raise on timeout)."""
+        if not self.keep:
+            raise ValueError("this receiver keeps no spans (keep=False): read span_count instead")
         deadline = time.monotonic() + timeout
         while True:
             spans = self.spans

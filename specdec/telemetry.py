@@ -116,9 +116,16 @@ class ClientCalls:
         try:
             yield Call(self, span, tuple(carrier.items()))
         except grpc.RpcError as e:
-            code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+            code, details = _rpc_error(e)
             span.set_attribute("rpc.grpc.status_code", code.value[0])
-            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {e.details() if hasattr(e, 'details') else e}"))
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+            raise
+        except GeneratorExit:  # the reader stopped mid-stream: grpc cancels the call
+            span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+            raise
+        except Exception as e:
+            span.record_exception(e)
+            span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
             raise
         finally:
             span.end()
@@ -150,6 +157,14 @@ class Call:
 
 
 _NULL_CALL = Call(None, trace.INVALID_SPAN, None)
+
+
+def _rpc_error(e: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """An RpcError's code and details (UNKNOWN for one that carries none)."""
+    try:
+        return e.code(), e.details() or ""
+    except Exception:  # noqa: BLE001 -- not a call's error, or the call is not complete
+        return grpc.StatusCode.UNKNOWN, str(e)
 
 
 def _has_timing(message) -> bool:

@@ -372,3 +372,23 @@ def test_receiver_that_keeps_nothing_still_counts(provider):
         exporter.export(provider.memory.get_finished_spans())
         exporter.shutdown()
         assert (receiver.span_count, receiver.exports, receiver.spans) == (3, 1, [])
+
+
+def test_client_call_spans_say_how_a_call_ended_early(provider):
+    calls = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
+
+    def stream():
+        with calls.call("Propose"):
+            yield 1
+            yield 2
+
+    reader = stream()
+    next(reader)
+    reader.close()  # the round stopped reading mid-stream
+    with pytest.raises(ValueError):
+        with calls.call("Propose"):
+            raise ValueError("bad draft token")
+    cancelled, failed = provider.memory.get_finished_spans()
+    assert cancelled.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert failed.status.status_code == trace.StatusCode.ERROR and "bad draft token" in failed.status.description
+    assert [e.name for e in failed.events] == ["exception"]
