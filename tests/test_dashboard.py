@@ -34,6 +34,7 @@ def exported() -> dict[str, set[str]]:
     service.observe_timing(ServerTiming(0.1, 0.1, 0.1, 3))
     service.observe_proposed(2)
     service.observe_verified(2, 1)
+    service.observe_draft_ahead(made=2, reused=1)
     names: dict[str, set[str]] = {}
     for registry in (coordinator.registry, service.registry):
         assert isinstance(registry, CollectorRegistry)
