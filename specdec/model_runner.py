@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import pathlib
-
 from typing import TYPE_CHECKING
 
 import torch

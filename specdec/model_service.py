@@ -29,14 +29,14 @@ import torch
 from specdec import proto_convert as pc
 from specdec.config import ServiceConfig, env_names
 from specdec.errors import Draining, InvalidRequest, Unavailable
+from specdec.local import held_tokens
+from specdec.metrics import ServiceMetrics
 from specdec.model_runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.sampling import SamplingParams, SparseDist
 from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
 from specdec.sessions import SessionStore
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
-from specdec.local import held_tokens
-from specdec.metrics import ServiceMetrics
 from specdec.timing import ServerTiming
 
 log = logging.getLogger(__name__)
