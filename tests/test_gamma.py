@@ -85,6 +85,40 @@ def test_a_marginal_gain_from_drafting_is_not_taken():
     assert best_gamma([clear] * 4, cost, 1, min_gain=0.05) == 1
 
 
+def test_drafting_stays_on_while_it_pays_but_a_marginal_gain_does_not_switch_it_on():
+    """Hysteresis: α ≈ 0.23 makes γ = 1 predicted ~2.5 % faster than plain
+    decoding. A drafting policy keeps drafting; one that has gone idle does not
+    pay the draft's catch-up for so little."""
+    policy = AdaptiveGamma(gamma_max=1)
+    for i in range(300):  # draft 2 ms per token, verify 10 ms, 23 drafts in 100 accepted
+        n = int(i * 23 % 100 < 23)
+        policy.observe(RoundResult([0] * (n + 1), 1, n, 0.002, 0.010, None, 0.002))
+    cost = policy.cost()
+    gain = expected_tokens(policy.alphas(), 1) / cost.seconds(1) * cost.seconds(0) - 1
+    assert 0.0 < gain < policy.min_gain
+    assert policy.choose() == 1
+    policy.observe(RoundResult([0], 0, 0, 0.0, 0.010, None))  # one round without drafting
+    assert policy.choose() == 0
+
+
+def test_thin_evidence_does_not_switch_drafting_off():
+    """30 ms round trips: drafting pays only with α ≳ 0.5. After six rounds with
+    α ≈ 0.45 the point estimate says stop, but so few rounds cannot rule out
+    α = 0.55, so drafting goes on; after 180 such rounds it stops."""
+
+    def after(accepted: list[int]) -> AdaptiveGamma:
+        policy = AdaptiveGamma(gamma_max=8)
+        for n in accepted:  # γ = 4 rounds: 31 ms + 2.1 ms/token to draft, 39.5 ms + 1.5 ms/token to verify
+            policy.observe(RoundResult([0] * (n + 1), 4, n, 0.031 + 0.0084, 0.0395 + 0.006, None, 0.0331))
+        return policy
+
+    few, many = after([1, 0, 2, 0, 1, 0]), after([1, 0, 2, 0, 1, 0] * 30)
+    for policy in (few, many):
+        assert best_gamma(policy.alphas(), policy.cost(), 8) == 0  # the point estimates say stop
+    assert few.choose() > 0
+    assert many.choose() == 0
+
+
 def test_heuristic_schedule():
     h = HeuristicGamma(gamma=5, gamma_max=9)
     h.observe(RoundResult([1] * 6, 5, 5, 0.0, 0.0, None))
@@ -160,6 +194,7 @@ def test_probes_one_round_in_probe_every():
         seen.append(g)
         policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))
     assert 2 <= sum(g > 0 for g in seen[200:]) <= 3  # 40 rounds: one in 16
+    assert set(seen[200:]) == {0, 1}  # a probe drafts one token: the cheapest question
 
 
 def test_the_probe_count_carries_into_the_next_request():
