@@ -164,8 +164,8 @@ class AdaptiveGamma:
     a few unlucky rounds, early in a request, do not switch the draft off for
     ``probe_every`` rounds. (In simulation at 30 ms round trips and α = 0.7,
     this took adaptive from 0.92–1.02× the best static γ to 0.97–1.02×; with a
-    useless draft, α = 0.4, it cost 1–2 % more. One standard error instead of
-    a half kept drafting at α = 0.4 and lost 10 % there.)
+    useless draft, α = 0.4, it cost 0–2 % more. One standard error instead of
+    a half kept drafting at α = 0.4 and lost 7–9 % there.)
     A round drafts one token after ``probe_every`` rounds without, so that a
     change in acceptance or cost is noticed. (Not sooner: where drafting does
     not pay, each probe costs the draft a catch-up pre-fill and a call; probing
