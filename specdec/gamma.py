@@ -172,6 +172,9 @@ class AdaptiveGamma:
     much more often early in a policy's life measured 0.92× plain decoding in
     one run. One token, not more, because a probe mostly loses: in simulation
     at α = 0.4 a 2-token probe cost 2.5 % of throughput, a 1-token probe 1.5 %.)
+    Where a probe is expensive (a long round trip to the draft), it waits
+    longer: until its expected loss is at most ``probe_budget`` (1 %) of the
+    time spent at γ = 0 since the last draft.
 
     The verify slope keeps its last determined value while γ stays put (a
     constant γ cannot tell fixed from per-token cost; taking the slope as 0
@@ -186,6 +189,7 @@ class AdaptiveGamma:
     probe_every: int = 16
     min_gain: float = 0.05
     optimism: float = 0.5
+    probe_budget: float = 0.01
 
     def __post_init__(self) -> None:
         self._tried = [0.0] * self.gamma_max
@@ -246,15 +250,30 @@ class AdaptiveGamma:
 
     def choose(self) -> int:
         gamma = self.best()
-        if gamma == 0 and self._since_drafted >= self.probe_every:
-            gamma = min(1, self.gamma_max)  # probe: is drafting worth it again? One draft asks most cheaply.
+        if gamma == 0 and self.gamma_max and self._probe_due():
+            gamma = 1  # probe: is drafting worth it again? One draft asks most cheaply.
         return gamma
+
+    def _probe_due(self) -> bool:
+        """After ``probe_every`` rounds without drafting, and once the probe's
+        expected loss (the time its round takes beyond what its expected tokens
+        take at γ = 0) is at most ``probe_budget`` of the time spent since."""
+        if self._since_drafted < self.probe_every:
+            return False
+        cost = self.cost()
+        if cost is None:
+            return True
+        plain = cost.seconds(0)
+        loss = cost.seconds(1) - expected_tokens(self.alphas(), 1) * plain
+        return loss <= self.probe_budget * self._since_drafted * plain
 
     def observe(self, result: "RoundResult") -> None:
         g, n = result.gamma, result.accepted
         self._since_drafted = 0 if g else self._since_drafted + 1
         d = self.decay
-        for i in range(self.gamma_max):
+        # Old acceptance evidence fades as drafting goes on (acceptance drifts
+        # with the text); a round that drafted nothing brings none to replace it.
+        for i in range(self.gamma_max if g else 0):
             self._tried[i] *= d
             self._accepted[i] *= d
         # Drafts 1..n were accepted; draft n+1 (if any) was tried and rejected.

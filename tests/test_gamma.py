@@ -187,14 +187,28 @@ def test_a_new_request_carries_costs_whole_and_acceptance_partly():
     assert start.alphas()[0] < policy.alphas()[0]
 
 
-def test_probes_one_round_in_probe_every():
+def probe_gaps(draft_fixed_s: float, rounds: int = 400) -> list[int]:
+    """Rounds between probes in one long request whose drafts are all rejected:
+    drafting costs ``draft_fixed_s`` + 0.2 ms per token, verifying 6 ms."""
     policy, seen = AdaptiveGamma(gamma_max=8, probe_every=16), []
-    for _ in range(240):  # one long request, every draft rejected
+    for _ in range(rounds):
         g = policy.choose()
         seen.append(g)
-        policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))
-    assert 2 <= sum(g > 0 for g in seen[200:]) <= 3  # 40 rounds: one in 16
-    assert set(seen[200:]) == {0, 1}  # a probe drafts one token: the cheapest question
+        policy.observe(RoundResult([1], g, 0, draft_fixed_s + 0.0002 * g, 0.006, None, draft_fixed_s + 0.0002))
+    assert set(seen[100:]) == {0, 1}  # a probe drafts one token: the cheapest question
+    probes = [i for i, g in enumerate(seen) if g and i >= 100]
+    return [b - a for a, b in zip(probes, probes[1:])]
+
+
+def test_cheap_probes_come_every_probe_every_rounds():
+    assert set(probe_gaps(0.0)) == {17}  # 16 rounds without drafting, then the probe
+
+
+def test_expensive_probes_wait_until_they_cost_one_percent():
+    """A probe over a 30 ms round trip loses ~30 ms against 6 ms rounds of plain
+    decoding: it waits until that is 1 % of the time spent since (~500 rounds)."""
+    gaps = probe_gaps(0.030, rounds=2000)
+    assert gaps and all(450 <= gap <= 550 for gap in gaps), gaps
 
 
 def test_the_probe_count_carries_into_the_next_request():
@@ -204,7 +218,7 @@ def test_the_probe_count_carries_into_the_next_request():
 
     def one_round() -> int:
         g = policy.choose()
-        policy.observe(RoundResult([1], g, 0, 0.002 * g, 0.006, None, 0.001))  # every draft rejected
+        policy.observe(RoundResult([1], g, 0, 0.0002 * g, 0.006, None, 0.0002))  # every draft rejected
         return g
 
     for _ in range(100):  # settle at γ = 0
