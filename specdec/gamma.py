@@ -94,11 +94,16 @@ class RoundCost:
         return draft + self.verify_fixed + self.verify_per_token * gamma
 
 
+def token_rate(alphas: list[float], cost: RoundCost, gamma: int) -> float:
+    """Expected tokens per second drafting ``gamma`` tokens a round."""
+    # The floor keeps a fit that has not seen enough rounds from dividing by zero.
+    return expected_tokens(alphas, gamma) / max(cost.seconds(gamma), 1e-9)
+
+
 def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int, min_gain: float = 0.0) -> int:
     """The γ in [0, gamma_max] maximising expected tokens per second; 0 unless
     drafting beats it by more than ``min_gain`` (a fraction)."""
-    # The floor keeps a fit that has not seen enough rounds from dividing by zero.
-    rates = [expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9) for g in range(gamma_max + 1)]
+    rates = [token_rate(alphas, cost, g) for g in range(gamma_max + 1)]
     best = max(range(gamma_max + 1), key=rates.__getitem__)
     return best if rates[best] > (1 + min_gain) * rates[0] else 0
 
@@ -153,28 +158,30 @@ class AdaptiveGamma:
     Rounds that began with a pre-fill (a new prompt, or a side catching up after
     γ = 0 rounds) teach acceptance but not cost.
 
-    γ = 0 (plain target decoding) is chosen when speculation does not pay, or
-    pays less than ``min_gain`` (5 %) while the draft is idle: the model leaves
-    out what switching drafting back on costs (the draft must first catch up on
-    the tokens it missed) and its estimates are noisy, so a marginal predicted
-    gain does not switch it on. Once drafting, it stays on while drafting is
-    predicted to pay at all (hysteresis: with α near the threshold, a single
-    threshold flipped between the two and paid the catch-up each time), and
-    while α ``optimism`` standard errors above its estimate would make it pay:
-    a few unlucky rounds, early in a request, do not switch the draft off for
-    ``probe_every`` rounds. (In simulation at 30 ms round trips and α = 0.7,
-    this took adaptive from 0.92–1.02× the best static γ to 0.97–1.02×; with a
-    useless draft, α = 0.4, it cost 0–2 % more. One standard error instead of
-    a half kept drafting at α = 0.4 and lost 7–9 % there.)
-    A round drafts one token after ``probe_every`` rounds without, so that a
-    change in acceptance or cost is noticed. (Not sooner: where drafting does
-    not pay, each probe costs the draft a catch-up pre-fill and a call; probing
-    much more often early in a policy's life measured 0.92× plain decoding in
-    one run. One token, not more, because a probe mostly loses: in simulation
-    at α = 0.4 a 2-token probe cost 2.5 % of throughput, a 1-token probe 1.5 %.)
-    Where a probe is expensive (a long round trip to the draft), it waits
-    longer: until its expected loss is at most ``probe_budget`` (1 %) of the
-    time spent at γ = 0 since the last draft.
+    Whether to draft at all (γ = 0 is plain target decoding) depends on state,
+    because switching costs what the model leaves out (after γ = 0 rounds the
+    draft must first catch up on the tokens it missed) and the estimates are
+    noisy near the break-even point:
+
+    * idle (the last round drafted nothing): drafting starts again only if it
+      is predicted to gain more than ``min_gain`` (5 %);
+    * drafting (including just after a probe, which has paid the catch-up): it
+      goes on while it is predicted to pay at all, and also while α
+      ``optimism`` standard errors above its estimate would make it pay (at
+      the γ that α favours), so that a few unlucky rounds do not switch the
+      draft off. Decay caps the evidence at ~33 rounds, so the margin never
+      vanishes (~0.04 on α at half a standard error), and positions rarely
+      tried get more of it. (Drafting at the γ the point estimates favour
+      instead measured worse in simulation at 10 ms: 0.95–0.99× the best
+      static γ against 0.97–1.00×.)
+    * a probe: after ``probe_every`` idle rounds, one draft (the cheapest
+      question), so that a change in acceptance or cost is noticed; where a
+      probe is expensive (a long round trip to the draft), not before its
+      expected loss is at most ``probe_budget`` (1 %) of the time spent idle.
+
+    docs/benchmarks.md ("Adaptive γ near break-even") has the failures these
+    rules came from and what they measured; ``scripts/simulate_adaptive_gamma.py``
+    replays them in synthetic worlds.
 
     The verify slope keeps its last determined value while γ stays put (a
     constant γ cannot tell fixed from per-token cost; taking the slope as 0
@@ -192,6 +199,11 @@ class AdaptiveGamma:
     probe_budget: float = 0.01
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
+        if self.prior_weight <= 0 or self.optimism < 0 or self.probe_budget <= 0:
+            raise ValueError("prior_weight and probe_budget must be > 0, optimism >= 0")
+        self.initial_gamma = min(self.initial_gamma, self.gamma_max)
         self._tried = [0.0] * self.gamma_max
         self._accepted = [0.0] * self.gamma_max
         self._verify = _DecayingLine(self.decay)
@@ -199,6 +211,7 @@ class AdaptiveGamma:
         self._draft_per_token: float | None = None
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
         self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
+        self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
 
     # -- estimates ------------------------------------------------------------
 
@@ -232,26 +245,35 @@ class AdaptiveGamma:
         """α per position ``optimism`` standard errors above the estimate: what
         acceptance could still be, given how little of it has been seen."""
         return [
-            min(1.0, a + self.optimism * math.sqrt(a * (1 - a) / (t + self.prior_weight)))
+            min(1.0, a + self.optimism * math.sqrt(max(0.0, a * (1 - a)) / (t + self.prior_weight)))
             for a, t in zip(self.alphas(), self._tried)
         ]
 
+    @property
+    def idle(self) -> bool:
+        """Whether the last round drafted nothing (by this policy's choice)."""
+        return self._since_drafted > 0
+
     def best(self) -> int:
-        """The γ the current estimates favour."""
+        """The γ the estimates favour, given whether the draft is idle (see the
+        class docstring); no probing."""
         cost = self.cost()
         if cost is None:  # nothing measured yet
             return self.initial_gamma
-        if self._since_drafted:  # idle: switching on costs a catch-up the model leaves out
-            return best_gamma(self.alphas(), cost, self.gamma_max, self.min_gain)
-        gamma = best_gamma(self.alphas(), cost, self.gamma_max)
-        if gamma == 0:  # drafting: stop only once even an optimistic α says it does not pay
+        alphas = self.alphas()
+        if self.idle:
+            return best_gamma(alphas, cost, self.gamma_max, self.min_gain)
+        gamma = best_gamma(alphas, cost, self.gamma_max)
+        if gamma == 0:  # not ruled out yet: draft as if the optimistic α held
             gamma = best_gamma(self.optimistic_alphas(), cost, self.gamma_max)
         return gamma
 
     def choose(self) -> int:
+        """γ for the next round: :meth:`best`, or a one-draft probe when due."""
         gamma = self.best()
         if gamma == 0 and self.gamma_max and self._probe_due():
-            gamma = 1  # probe: is drafting worth it again? One draft asks most cheaply.
+            gamma = 1
+        self._chosen = gamma
         return gamma
 
     def _probe_due(self) -> bool:
@@ -269,13 +291,16 @@ class AdaptiveGamma:
 
     def observe(self, result: "RoundResult") -> None:
         g, n = result.gamma, result.accepted
-        self._since_drafted = 0 if g else self._since_drafted + 1
         d = self.decay
-        # Old acceptance evidence fades as drafting goes on (acceptance drifts
-        # with the text); a round that drafted nothing brings none to replace it.
-        for i in range(self.gamma_max if g else 0):
-            self._tried[i] *= d
-            self._accepted[i] *= d
+        if g:
+            self._since_drafted = 0
+            # Old acceptance evidence fades as drafting goes on (acceptance
+            # drifts with the text). Rounds that draft nothing bring no evidence
+            # to replace it, so they leave it be.
+            self._tried = [t * d for t in self._tried]
+            self._accepted = [a * d for a in self._accepted]
+        elif not self._chosen:  # not a round the end of the request clamped to γ = 0
+            self._since_drafted += 1
         # Drafts 1..n were accepted; draft n+1 (if any) was tried and rejected.
         for i in range(min(g, n + 1, self.gamma_max)):
             self._tried[i] += 1
@@ -287,13 +312,19 @@ class AdaptiveGamma:
             if slope is not None:
                 self._verify_slope = slope
         if g:
-            per_token = self._draft_per_token
             if g >= 2 and result.draft_first_s is not None:
                 # Gaps between streamed drafts: per-token cost even after a catch-up.
                 per_token = (result.draft_s - result.draft_first_s) / (g - 1)
-            elif per_token is None:
+                self._draft_per_token = _ema(self._draft_per_token, per_token, d)
+            else:
+                # No gap to time (a one-draft probe). The call as a whole bounds
+                # what a draft costs, so a draft that got faster while the policy
+                # was idle is noticed at once (an estimate set too low is corrected
+                # by the gaps of the longer rounds it then makes look cheap).
                 per_token = result.draft_s / g
-            self._draft_per_token = _ema(self._draft_per_token, per_token, d)
+                if self._draft_per_token is not None:
+                    per_token = min(self._draft_per_token, per_token)
+                self._draft_per_token = per_token
             if not result.draft_caught_up:
                 fixed = max(0.0, result.draft_s - per_token * g)
                 self._draft_fixed = _ema(self._draft_fixed, fixed, d)

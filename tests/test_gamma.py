@@ -86,37 +86,91 @@ def test_a_marginal_gain_from_drafting_is_not_taken():
 
 
 def test_drafting_stays_on_while_it_pays_but_a_marginal_gain_does_not_switch_it_on():
-    """Hysteresis: α ≈ 0.23 makes γ = 1 predicted ~2.5 % faster than plain
+    """Hysteresis: α ≈ 0.23 makes γ = 1 predicted 0–5 % faster than plain
     decoding. A drafting policy keeps drafting; one that has gone idle does not
     pay the draft's catch-up for so little."""
-    policy = AdaptiveGamma(gamma_max=1)
+    policy = AdaptiveGamma(gamma_max=1, initial_gamma=1, optimism=0.0)
     for i in range(300):  # draft 2 ms per token, verify 10 ms, 23 drafts in 100 accepted
         n = int(i * 23 % 100 < 23)
         policy.observe(RoundResult([0] * (n + 1), 1, n, 0.002, 0.010, None, 0.002))
     cost = policy.cost()
     gain = expected_tokens(policy.alphas(), 1) / cost.seconds(1) * cost.seconds(0) - 1
     assert 0.0 < gain < policy.min_gain
-    assert policy.choose() == 1
+    assert not policy.idle and policy.best() == 1
     policy.observe(RoundResult([0], 0, 0, 0.0, 0.010, None))  # one round without drafting
-    assert policy.choose() == 0
+    assert policy.idle and policy.choose() == 0
 
 
 def test_thin_evidence_does_not_switch_drafting_off():
-    """30 ms round trips: drafting pays only with α ≳ 0.5. After six rounds with
-    α ≈ 0.45 the point estimate says stop, but so few rounds cannot rule out
-    α = 0.55, so drafting goes on; after 180 such rounds it stops."""
+    """30 ms round trips, all rounds at γ = 4: the policy learns a draft call of
+    31 ms + 2.1 ms per token and a flat 45.5 ms verify, under which drafting pays
+    only with α ≳ 0.5. After six rounds accepting 4 drafts of 10 tried, the point
+    estimates say stop, but so few rounds cannot rule out enough acceptance to
+    pay, so drafting goes on; after 180 such rounds it stops."""
 
     def after(accepted: list[int]) -> AdaptiveGamma:
         policy = AdaptiveGamma(gamma_max=8)
-        for n in accepted:  # γ = 4 rounds: 31 ms + 2.1 ms/token to draft, 39.5 ms + 1.5 ms/token to verify
+        for n in accepted:
             policy.observe(RoundResult([0] * (n + 1), 4, n, 0.031 + 0.0084, 0.0395 + 0.006, None, 0.0331))
         return policy
 
     few, many = after([1, 0, 2, 0, 1, 0]), after([1, 0, 2, 0, 1, 0] * 30)
     for policy in (few, many):
         assert best_gamma(policy.alphas(), policy.cost(), 8) == 0  # the point estimates say stop
-    assert few.choose() > 0
+    assert few.choose() == best_gamma(few.optimistic_alphas(), few.cost(), 8) > 0
     assert many.choose() == 0
+
+
+def run_world(policy, rounds: int, alpha: float, draft_per_token: float, rng: random.Random,
+              verify=(0.006, 0.0003)) -> list[int]:
+    """Rounds through the policy's own choices; returns the γ of each."""
+    seen = []
+    for _ in range(rounds):
+        g = policy.choose()
+        n = 0
+        while n < g and rng.random() < alpha:
+            n += 1
+        draft_s = 0.0002 + draft_per_token * g if g else 0.0
+        first = 0.0002 + draft_per_token if g else None
+        policy.observe(RoundResult([0] * (n + 1), g, n, draft_s, verify[0] + verify[1] * g, None, first))
+        seen.append(g)
+    return seen
+
+
+def test_a_draft_that_got_faster_while_idle_is_noticed():
+    """At 10 ms per draft token drafting does not pay, so the policy idles and
+    probes with one draft. The draft becomes 1 ms per token: the first probe's
+    call bounds the per-token cost, and drafting resumes."""
+    policy, rng = AdaptiveGamma(gamma_max=8), random.Random(0)
+    assert run_world(policy, 300, 0.8, 0.010, rng)[-50:].count(0) >= 45
+    fast = run_world(policy, 400, 0.8, 0.001, rng)
+    assert sum(fast[-100:]) / 100 >= 3, fast
+
+
+def test_a_round_clamped_by_the_end_of_the_request_is_not_idleness():
+    """The round loop gives γ = 0 when one token is left; the next request must
+    not start as if the policy had switched the draft off."""
+    policy = AdaptiveGamma(gamma_max=8)
+    run_world(policy, 50, 0.8, 0.001, random.Random(0))
+    assert policy.choose() > 0
+    policy.observe(RoundResult([0], 0, 0, 0.0, 0.006, "length"))  # clamped to γ = 0
+    assert not policy.for_new_request().idle
+
+
+def test_rounds_without_drafts_keep_the_acceptance_evidence():
+    policy = AdaptiveGamma(gamma_max=4)
+    run_world(policy, 50, 0.5, 0.001, random.Random(0))
+    before = policy.alphas(), policy._tried
+    for _ in range(40):
+        policy.observe(RoundResult([0], 0, 0, 0.0, 0.006, None))
+    assert (policy.alphas(), policy._tried) == before
+
+
+def test_bad_settings_are_refused():
+    for bad in (dict(prior_alpha=1.2), dict(prior_weight=0), dict(optimism=-1), dict(probe_budget=0)):
+        with pytest.raises(ValueError):
+            AdaptiveGamma(**bad)
+    assert AdaptiveGamma(gamma_max=2).initial_gamma == 2
 
 
 def test_heuristic_schedule():
@@ -194,7 +248,8 @@ def probe_gaps(draft_fixed_s: float, rounds: int = 400) -> list[int]:
     for _ in range(rounds):
         g = policy.choose()
         seen.append(g)
-        policy.observe(RoundResult([1], g, 0, draft_fixed_s + 0.0002 * g, 0.006, None, draft_fixed_s + 0.0002))
+        draft_s, first = (draft_fixed_s + 0.0002 * g, draft_fixed_s + 0.0002) if g else (0.0, None)
+        policy.observe(RoundResult([1], g, 0, draft_s, 0.006, None, first))
     assert set(seen[100:]) == {0, 1}  # a probe drafts one token: the cheapest question
     probes = [i for i, g in enumerate(seen) if g and i >= 100]
     return [b - a for a, b in zip(probes, probes[1:])]
