@@ -316,15 +316,18 @@ class AdaptiveGamma:
                 # Gaps between streamed drafts: per-token cost even after a catch-up.
                 per_token = (result.draft_s - result.draft_first_s) / (g - 1)
                 self._draft_per_token = _ema(self._draft_per_token, per_token, d)
-            else:
-                # No gap to time (a one-draft probe). The call as a whole bounds
-                # what a draft costs, so a draft that got faster while the policy
-                # was idle is noticed at once (an estimate set too low is corrected
-                # by the gaps of the longer rounds it then makes look cheap).
+            elif self._draft_per_token is None or result.draft_caught_up:
+                # No gap to time. After idle rounds (a probe) the draft did this
+                # call's work now, and the call as a whole bounds what a draft
+                # costs: a draft that got faster while idle is noticed at once.
+                # (Not in other rounds: a draft made ahead during the last
+                # verification arrives at once and would look free.)
                 per_token = result.draft_s / g
                 if self._draft_per_token is not None:
                     per_token = min(self._draft_per_token, per_token)
                 self._draft_per_token = per_token
+            else:
+                per_token = self._draft_per_token
             if not result.draft_caught_up:
                 fixed = max(0.0, result.draft_s - per_token * g)
                 self._draft_fixed = _ema(self._draft_fixed, fixed, d)

@@ -123,8 +123,9 @@ def test_thin_evidence_does_not_switch_drafting_off():
 
 def run_world(policy, rounds: int, alpha: float, draft_per_token: float, rng: random.Random,
               verify=(0.006, 0.0003)) -> list[int]:
-    """Rounds through the policy's own choices; returns the γ of each."""
-    seen = []
+    """Rounds through the policy's own choices; returns the γ of each. After
+    rounds without drafts the draft catches up on what it missed (at no cost)."""
+    seen, missed = [], 0
     for _ in range(rounds):
         g = policy.choose()
         n = 0
@@ -132,7 +133,9 @@ def run_world(policy, rounds: int, alpha: float, draft_per_token: float, rng: ra
             n += 1
         draft_s = 0.0002 + draft_per_token * g if g else 0.0
         first = 0.0002 + draft_per_token if g else None
-        policy.observe(RoundResult([0] * (n + 1), g, n, draft_s, verify[0] + verify[1] * g, None, first))
+        policy.observe(RoundResult([0] * (n + 1), g, n, draft_s, verify[0] + verify[1] * g, None, first,
+                                   draft_caught_up=missed if g else 0))
+        missed = 0 if g else missed + 1
         seen.append(g)
     return seen
 
@@ -145,6 +148,16 @@ def test_a_draft_that_got_faster_while_idle_is_noticed():
     assert run_world(policy, 300, 0.8, 0.010, rng)[-50:].count(0) >= 45
     fast = run_world(policy, 400, 0.8, 0.001, rng)
     assert sum(fast[-100:]) / 100 >= 3, fast
+
+
+def test_one_fast_draft_call_while_drafting_does_not_make_drafting_look_free():
+    """A draft made ahead during the last verification arrives at once; a
+    one-draft round without a catch-up keeps the per-token estimate."""
+    policy = AdaptiveGamma(gamma_max=8)
+    run_world(policy, 50, 0.8, 0.002, random.Random(0))
+    before = policy.cost().draft_per_token
+    policy.observe(RoundResult([0, 0], 1, 1, 0.0001, 0.006, None, 0.0001))
+    assert policy.cost().draft_per_token == before
 
 
 def test_a_round_clamped_by_the_end_of_the_request_is_not_idleness():
