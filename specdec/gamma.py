@@ -94,16 +94,11 @@ class RoundCost:
         return draft + self.verify_fixed + self.verify_per_token * gamma
 
 
-def token_rate(alphas: list[float], cost: RoundCost, gamma: int) -> float:
-    """Expected tokens per second drafting ``gamma`` tokens a round."""
-    # The floor keeps a fit that has not seen enough rounds from dividing by zero.
-    return expected_tokens(alphas, gamma) / max(cost.seconds(gamma), 1e-9)
-
-
 def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int, min_gain: float = 0.0) -> int:
     """The γ in [0, gamma_max] maximising expected tokens per second; 0 unless
     drafting beats it by more than ``min_gain`` (a fraction)."""
-    rates = [token_rate(alphas, cost, g) for g in range(gamma_max + 1)]
+    # The floor keeps a fit that has not seen enough rounds from dividing by zero.
+    rates = [expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9) for g in range(gamma_max + 1)]
     best = max(range(gamma_max + 1), key=rates.__getitem__)
     return best if rates[best] > (1 + min_gain) * rates[0] else 0
 
