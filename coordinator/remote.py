@@ -90,7 +90,7 @@ class ServiceClient:
     def translate(self, e: grpc.RpcError, method: str) -> Exception:
         """A failed call -> the exception the coordinator's client should see,
         naming the service so a user knows which process to look at."""
-        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        code = errors.rpc_status(e)[0]
         where = f"{self.role} service at {self.address}"
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
@@ -103,7 +103,7 @@ class ServiceClient:
 
 
 def _details(e: grpc.RpcError) -> str:
-    return (e.details() if hasattr(e, "details") else None) or str(e)
+    return errors.rpc_status(e)[1] or str(e)
 
 
 @dataclasses.dataclass

@@ -108,11 +108,19 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """Client side: a failed call's code and details (UNKNOWN and the error's
+    text for an RpcError that carries neither)."""
+    try:
+        return err.code(), err.details() or ""
+    except Exception:  # noqa: BLE001 -- not a call's error
+        return grpc.StatusCode.UNKNOWN, str(err)
+
+
 def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     """Client side: the typed error for a failed call (the caller re-raises it).
     ``PositionMismatch`` comes back as its base ``FailedPrecondition``."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
+    code, details = rpc_status(err)
     cls = _BY_CODE.get(code, SpecdecError)
     out = cls(details or code.name)
     if cls is SpecdecError:

@@ -37,6 +37,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec import tracing
+from specdec.errors import rpc_status, status_for
 from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, RpcMetrics, ServiceMetrics
 
 SIDES = ("draft", "target")
@@ -116,7 +117,7 @@ class ClientCalls:
         try:
             yield Call(self, span, tuple(carrier.items()))
         except grpc.RpcError as e:
-            code, details = _rpc_error(e)
+            code, details = rpc_status(e)
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
             raise
@@ -157,14 +158,6 @@ class Call:
 
 
 _NULL_CALL = Call(None, trace.INVALID_SPAN, None)
-
-
-def _rpc_error(e: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    """An RpcError's code and details (UNKNOWN for one that carries none)."""
-    try:
-        return e.code(), e.details() or ""
-    except Exception:  # noqa: BLE001 -- not a call's error, or the call is not complete
-        return grpc.StatusCode.UNKNOWN, str(e)
 
 
 def _has_timing(message) -> bool:
@@ -398,8 +391,6 @@ class ServerObserver(grpc.aio.ServerInterceptor):
             self.metrics.observe_verified(len(request.draft_tokens), response.accepted)
 
     def _failed(self, span, method: str, start: float, exc: BaseException, context) -> None:
-        from specdec.errors import status_for
-
         if isinstance(exc, grpc.aio.AbortError):  # aborted on purpose: the code is on the context
             code = _context_code(context) or grpc.StatusCode.UNKNOWN
         elif isinstance(exc, Exception):
