@@ -1,6 +1,7 @@
 """Traces (DESIGN §5): the tracer provider, the JSON-lines file exporter and
-the server interceptor that reads W3C trace context from the caller (the
-coordinator writes it: :class:`specdec.telemetry.ClientCalls`).
+the generation span. W3C trace context crosses gRPC in each call's metadata:
+:class:`specdec.telemetry.ClientCalls` writes it, and each server's
+:class:`specdec.telemetry.ServerObserver` reads it for its SERVER span.
 
 Configuration is the standard OpenTelemetry environment, plus one file flag:
 
@@ -17,7 +18,7 @@ Configuration is the standard OpenTelemetry environment, plus one file flag:
 
 Why nothing is installed when nothing is configured: the OpenTelemetry API then
 hands out its no-op tracer, whose spans cost well under a microsecond, and the
-services skip the tracing interceptors altogether — tracing that is off costs
+services install no interceptor for it — tracing that is off costs
 nothing measurable.
 """
 
@@ -217,19 +218,6 @@ def read_spans(paths: Sequence[str | os.PathLike]) -> list[dict]:
                     seen.add(key)
                     spans.append(span)
     return spans
-
-
-# ---------------------------------------------------------------- gRPC propagation
-
-
-def server_interceptors() -> list:
-    """The OpenTelemetry aio server interceptor (a SERVER span per call, parented
-    by the caller's ``traceparent`` metadata) — or nothing when tracing is off."""
-    if not enabled():
-        return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-    return [aio_server_interceptor()]
 
 
 # ---------------------------------------------------------------- the generation span

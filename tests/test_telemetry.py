@@ -392,3 +392,116 @@ def test_client_call_spans_say_how_a_call_ended_early(provider):
     assert cancelled.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert failed.status.status_code == trace.StatusCode.ERROR and "bad draft token" in failed.status.description
     assert [e.name for e in failed.events] == ["exception"]
+
+
+# ---------------------------------------------------------------- the services' SERVER spans
+
+
+def _serve_and_call(calls):
+    """A GrpcServer (ErrorInterceptor + the service interceptors, as a service
+    process installs them) with a fake Verify and a streaming Propose on a
+    loopback port; ``calls(verify, propose)`` runs against it. Each handler
+    records the span that was current while it ran."""
+    import asyncio
+
+    from specdec.proto import specdec_pb2 as pb
+    from specdec.server import GrpcServer
+
+    seen = []
+
+    async def verify(request, context):
+        seen.append(trace.get_current_span())
+        if request.session_id == "bad":
+            raise ValueError("draft_tokens[0] = 9999 is outside the vocabulary")
+        if request.session_id == "bug":
+            raise RuntimeError("boom")
+        return pb.VerifyResponse(accepted=1)
+
+    async def propose(request, context):
+        seen.append(trace.get_current_span())
+        for _ in range(2):
+            yield pb.DraftToken()
+
+    handler = grpc.method_handlers_generic_handler("specdec.v1.TargetService", {
+        "Verify": grpc.unary_unary_rpc_method_handler(
+            verify, request_deserializer=pb.VerifyRequest.FromString,
+            response_serializer=pb.VerifyResponse.SerializeToString),
+        "Propose": grpc.unary_stream_rpc_method_handler(
+            propose, request_deserializer=pb.ProposeRequest.FromString,
+            response_serializer=pb.DraftToken.SerializeToString)})
+
+    async def main():
+        server = GrpcServer(["specdec.v1.TargetService"],
+                            interceptors=telemetry.ServiceTelemetry.for_role("target").server_interceptors())
+        server.server.add_generic_rpc_handlers((handler,))
+        port = server.bind("127.0.0.1", 0)
+        await server.server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                v = channel.unary_unary("/specdec.v1.TargetService/Verify",
+                                        request_serializer=pb.VerifyRequest.SerializeToString,
+                                        response_deserializer=pb.VerifyResponse.FromString)
+                p = channel.unary_stream("/specdec.v1.TargetService/Propose",
+                                         request_serializer=pb.ProposeRequest.SerializeToString,
+                                         response_deserializer=pb.DraftToken.FromString)
+                await calls(v, p)
+        finally:
+            await server.server.stop(None)
+
+    asyncio.run(main())
+    return seen
+
+
+def _traceparent(trace_id: int, span_id: int, sampled: bool):
+    return (("traceparent", f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"),)
+
+
+def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
+    from specdec.proto import specdec_pb2 as pb
+
+    async def calls(verify, propose):
+        await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=True))
+        assert len([m async for m in propose(pb.ProposeRequest(), metadata=_traceparent(0xABC, 0x456, True))]) == 2
+        await verify(pb.VerifyRequest(session_id="s"))  # no caller context: a root span
+
+    seen = _serve_and_call(calls)
+    verify, propose, root = sorted(provider.memory.get_finished_spans(), key=lambda s: s.start_time)
+    assert [s.kind for s in (verify, propose, root)] == [trace.SpanKind.SERVER] * 3
+    assert (verify.context.trace_id, verify.parent.span_id, verify.parent.is_remote) == (0xABC, 0x123, True)
+    assert (propose.context.trace_id, propose.parent.span_id) == (0xABC, 0x456)
+    assert root.parent is None
+    assert verify.name == "/specdec.v1.TargetService/Verify" and propose.name == "/specdec.v1.TargetService/Propose"
+    a = verify.attributes
+    assert (a["rpc.system"], a["rpc.service"], a["rpc.method"], a["rpc.grpc.status_code"]) == \
+        ("grpc", "specdec.v1.TargetService", "Verify", 0)
+    # The handler ran inside the SERVER span (spans it starts are its children).
+    assert [s.get_span_context().span_id for s in seen] == [s.context.span_id for s in (verify, propose, root)]
+
+
+def test_unsampled_callers_get_no_server_span(provider):
+    from specdec.proto import specdec_pb2 as pb
+
+    async def calls(verify, propose):
+        await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=False))
+
+    (current,) = _serve_and_call(calls)
+    assert provider.memory.get_finished_spans() == ()
+    assert not current.is_recording() and current.get_span_context().trace_id == 0xABC
+
+
+def test_failed_calls_mark_the_server_span(provider):
+    from specdec.proto import specdec_pb2 as pb
+
+    async def calls(verify, propose):
+        for session, code in (("bad", grpc.StatusCode.INVALID_ARGUMENT), ("bug", grpc.StatusCode.INTERNAL)):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await verify(pb.VerifyRequest(session_id=session))
+            assert failed.value.code() == code
+
+    _serve_and_call(calls)
+    bad, bug = sorted(provider.memory.get_finished_spans(), key=lambda s: s.start_time)
+    assert bad.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad.status.status_code == trace.StatusCode.ERROR and "outside the vocabulary" in bad.status.description
+    assert bad.events == ()  # a bad request is not a bug: no traceback on the span
+    assert bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert [e.name for e in bug.events] == ["exception"]
