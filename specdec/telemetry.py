@@ -320,11 +320,11 @@ class ServerObserver(grpc.aio.ServerInterceptor):
     The span is named and attributed as OpenTelemetry's gRPC instrumentation
     names it (``/specdec.v1.TargetService/Verify``, ``rpc.*``) and is current
     while the handler runs (the coordinator's generation span is its child).
-    Why not the instrumentation's aio server interceptor: it cost ~300 µs of CPU
-    per call on this project's machine, sampled or not (metadata copied twice,
-    the peer address parsed, a proxy around the servicer context), against
-    ~100 µs here for a sampled call and ~25 µs for an unsampled one
-    (``scripts/bench_server_calls.py``).
+    Why not the instrumentation's aio server interceptor: with it, a service
+    spent ~390 µs more CPU per sampled call than with tracing off and ~265 µs
+    per unsampled one (metadata copied twice, the peer address parsed, a proxy
+    around the servicer context); with this, ~290 and ~130 µs, export included
+    (``scripts/bench_server_calls.py``, this project's 2-vCPU machine).
 
     Install it *after* :class:`specdec.errors.ErrorInterceptor` (it sees the
     handler's exceptions and maps them with the same ``status_for``)."""
