@@ -112,7 +112,11 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
     ``trace_file`` asks for any exporter; return it (None: tracing stays off).
 
     Call once, at process start (OpenTelemetry allows one global provider). Spans
-    are exported in batches on a background thread and flushed at exit."""
+    are exported in batches on a background thread and flushed at exit.
+
+    ``environ`` decides *which* exporters (and the file); the OTLP exporters
+    read their own settings (endpoint, headers, timeout, TLS) from
+    ``os.environ``, as the SDK does."""
     environ = os.environ if environ is None else environ
     trace_file = trace_file or environ.get(TRACE_FILE_ENV) or None
     names = exporter_names(environ)
