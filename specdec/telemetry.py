@@ -28,8 +28,10 @@ import argparse
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import os
 import time
+import urllib.parse
 from typing import Iterator, Mapping
 
 import grpc
@@ -164,7 +166,7 @@ _NULL_CALL = Call(None, trace.INVALID_SPAN, None)
 def _has_timing(message) -> bool:
     try:
         return message.HasField("timing")
-    except ValueError:  # the message type has no such field
+    except (AttributeError, ValueError):  # None (replies written with context.write), or no such field
         return False
 
 
@@ -340,8 +342,12 @@ class ServerObserver(grpc.aio.ServerInterceptor):
             return handler
         full_method = handler_call_details.method
         if handler.response_streaming:
+            behavior = handler.unary_stream
+            # A coroutine that writes its replies with context.write() (health's
+            # Watch) is awaited like a unary handler; it returns None.
+            wrap = self._stream if inspect.isasyncgenfunction(behavior) else self._unary
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, full_method),
+                wrap(behavior, full_method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -409,6 +415,8 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         metadata = context.invocation_metadata()
         parent = propagate.extract(dict(metadata)) if metadata else None
         span = tracing.tracer().start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        if span.is_recording():  # which caller: several coordinators may share a service
+            span.set_attributes(_peer_attributes(context.peer()))
         return span, otel_context.attach(trace.set_span_in_context(span, parent))
 
     def _answered(self, span, method: str, request, timing, count: int, response) -> None:
@@ -449,10 +457,30 @@ class ServerObserver(grpc.aio.ServerInterceptor):
             self.metrics.observe_rpc(method, time.perf_counter() - start, code)
 
 
+def _peer_attributes(peer: str) -> dict:
+    """``ipv4:10.0.0.7:51234`` / ``ipv6:%5B::1%5D:51234`` as the gRPC
+    instrumentation's ``net.peer.ip`` and ``net.peer.port``; nothing for other
+    transports (``unix:``)."""
+    kind, _, address = peer.partition(":")
+    host, _, port = address.rpartition(":")
+    if kind not in ("ipv4", "ipv6") or not port.isdigit():
+        return {}
+    return {"net.peer.ip": urllib.parse.unquote(host).strip("[]"), "net.peer.port": int(port)}
+
+
 def _end_span(span, token) -> None:
-    if token is not None:
+    """Undo ``attach`` and end the span. When a client goes away while a stream
+    is blocked sending, grpc leaves the handler's generator to asyncio, which
+    closes it later from another context: there is nothing to undo there, and
+    OpenTelemetry's ``detach`` would log an error for every such disconnect."""
+    if token is None:
+        return
+    if isinstance(token, contextvars.Token):  # OpenTelemetry's default runtime context
+        with contextlib.suppress(ValueError):  # created in a different Context
+            token.var.reset(token)
+    else:
         otel_context.detach(token)
-        span.end()
+    span.end()
 
 
 def _context_code(context) -> grpc.StatusCode | None:

@@ -419,6 +419,9 @@ def _serve_and_call(calls):
 
     async def propose(request, context):
         seen.append(trace.get_current_span())
+        if request.session_id == "big":  # more than flow control lets through before the client reads
+            for _ in range(64):
+                yield pb.DraftToken(q=pb.Distribution(probs=bytes(1 << 20)))
         for _ in range(2):
             yield pb.DraftToken()
 
@@ -444,7 +447,7 @@ def _serve_and_call(calls):
                 p = channel.unary_stream("/specdec.v1.TargetService/Propose",
                                          request_serializer=pb.ProposeRequest.SerializeToString,
                                          response_deserializer=pb.DraftToken.FromString)
-                await calls(v, p)
+                await calls(v, p, channel)
         finally:
             await server.server.stop(None)
 
@@ -459,7 +462,7 @@ def _traceparent(trace_id: int, span_id: int, sampled: bool):
 def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
     from specdec.proto import specdec_pb2 as pb
 
-    async def calls(verify, propose):
+    async def calls(verify, propose, channel):
         await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=True))
         assert len([m async for m in propose(pb.ProposeRequest(), metadata=_traceparent(0xABC, 0x456, True))]) == 2
         await verify(pb.VerifyRequest(session_id="s"))  # no caller context: a root span
@@ -474,6 +477,7 @@ def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
     a = verify.attributes
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"], a["rpc.grpc.status_code"]) == \
         ("grpc", "specdec.v1.TargetService", "Verify", 0)
+    assert a["net.peer.ip"] == "127.0.0.1" and a["net.peer.port"] > 0  # which caller
     # The handler ran inside the SERVER span (spans it starts are its children).
     assert [s.get_span_context().span_id for s in seen] == [s.context.span_id for s in (verify, propose, root)]
 
@@ -481,7 +485,7 @@ def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
 def test_unsampled_callers_get_no_server_span(provider):
     from specdec.proto import specdec_pb2 as pb
 
-    async def calls(verify, propose):
+    async def calls(verify, propose, channel):
         await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=False))
 
     (current,) = _serve_and_call(calls)
@@ -489,10 +493,20 @@ def test_unsampled_callers_get_no_server_span(provider):
     assert not current.is_recording() and current.get_span_context().trace_id == 0xABC
 
 
+@pytest.mark.parametrize("peer, attributes", [
+    ("ipv4:10.0.0.7:51234", {"net.peer.ip": "10.0.0.7", "net.peer.port": 51234}),
+    ("ipv6:%5B::1%5D:443", {"net.peer.ip": "::1", "net.peer.port": 443}),
+    ("unix:/tmp/specdec.sock", {}),
+    ("", {}),
+])
+def test_peer_address_attributes(peer, attributes):
+    assert telemetry._peer_attributes(peer) == attributes
+
+
 def test_failed_calls_mark_the_server_span(provider):
     from specdec.proto import specdec_pb2 as pb
 
-    async def calls(verify, propose):
+    async def calls(verify, propose, channel):
         for session, code in (("bad", grpc.StatusCode.INVALID_ARGUMENT), ("bug", grpc.StatusCode.INTERNAL)):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await verify(pb.VerifyRequest(session_id=session))
@@ -505,3 +519,48 @@ def test_failed_calls_mark_the_server_span(provider):
     assert bad.events == ()  # a bad request is not a bug: no traceback on the span
     assert bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
     assert [e.name for e in bug.events] == ["exception"]
+
+
+def test_a_stream_cancelled_mid_send_ends_its_span_cleanly(provider, caplog):
+    """The client goes away while the server is blocked sending: grpc leaves the
+    handler's generator to be closed later, from another context."""
+    import asyncio
+
+    from specdec.proto import specdec_pb2 as pb
+
+    async def calls(verify, propose, channel):
+        call = propose(pb.ProposeRequest(session_id="big"), metadata=_traceparent(0xABC, 0x123, sampled=True))
+        await call.read()
+        call.cancel()
+        for _ in range(100):  # until the server has given up on the stream
+            if provider.memory.get_finished_spans():
+                break
+            await asyncio.sleep(0.05)
+
+    _serve_and_call(calls)
+    import gc
+
+    gc.collect()
+    (span,) = provider.memory.get_finished_spans()
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert "Failed to detach context" not in caplog.text
+
+
+def test_health_calls_pass_through_the_observer(provider):
+    """Health Check aborts with NOT_FOUND for an unknown service; Watch is a
+    coroutine that writes its replies (not an async generator)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def calls(verify, propose, channel):
+        health = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+    _serve_and_call(calls)
+    check = next(s for s in provider.memory.get_finished_spans() if s.name.endswith("/Check"))
+    assert check.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert check.status.status_code == trace.StatusCode.ERROR
