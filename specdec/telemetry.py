@@ -12,8 +12,9 @@ of their own:
   the client-observed time with the ``ServerTiming`` in the reply: network +
   serialisation = observed − (queue + compute + copy), on the RPC's client span,
   on the current round and in the metrics.
-* :class:`ServerObserver` — on every service: annotates the SERVER span with the
-  reply's ``ServerTiming``, counts model work, latency and errors by gRPC code.
+* :class:`ServerObserver` — on every server: a SERVER span per call, child of
+  the caller's W3C context, with the reply's ``ServerTiming``; counts model
+  work, latency and errors by gRPC code.
 * :class:`ServiceTelemetry` — the ``--trace-file`` / ``--metrics-port`` flags and
   what a service process starts from them.
 
