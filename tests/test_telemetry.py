@@ -400,7 +400,7 @@ def test_client_call_spans_say_how_a_call_ended_early(provider):
 def _serve_and_call(calls):
     """A GrpcServer (ErrorInterceptor + the service interceptors, as a service
     process installs them) with a fake Verify and a streaming Propose on a
-    loopback port; ``calls(verify, propose)`` runs against it. Each handler
+    loopback port; ``calls(verify, propose, channel)`` runs against it. Each handler
     records the span that was current while it ran."""
     import asyncio
 
