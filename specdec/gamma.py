@@ -169,6 +169,12 @@ class AdaptiveGamma:
       tried get more of it. (Drafting at the γ the point estimates favour
       instead measured worse in simulation at 10 ms: 0.95–0.99× the best
       static γ against 0.97–1.00×.)
+    * too little seen: γ = 0 is not chosen while the first draft position has
+      been tried fewer than ``min_trials`` times (decayed, carried evidence
+      included); the policy drafts one token instead. Without it, a prompt
+      whose first two drafts fail switched a fresh policy off for the whole
+      request (``specdec demo``'s default prompt did, in about half its runs),
+      and the warm start carried that into the next request.
     * a probe: after ``probe_every`` idle rounds, one draft (the cheapest
       question), so that a change in acceptance or cost is noticed; where a
       probe is expensive (a long round trip to the draft), not before its
@@ -192,12 +198,13 @@ class AdaptiveGamma:
     min_gain: float = 0.05
     optimism: float = 0.5
     probe_budget: float = 0.01
+    min_trials: float = 4.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0:
             raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
-        if self.prior_weight <= 0 or self.optimism < 0 or self.probe_budget <= 0:
-            raise ValueError("prior_weight and probe_budget must be > 0, optimism >= 0")
+        if self.prior_weight <= 0 or self.optimism < 0 or self.probe_budget <= 0 or self.min_trials < 0:
+            raise ValueError("prior_weight and probe_budget must be > 0, optimism and min_trials >= 0")
         self.initial_gamma = min(self.initial_gamma, self.gamma_max)
         self._tried = [0.0] * self.gamma_max
         self._accepted = [0.0] * self.gamma_max
@@ -261,6 +268,8 @@ class AdaptiveGamma:
         gamma = best_gamma(alphas, cost, self.gamma_max)
         if gamma == 0:  # not ruled out yet: draft as if the optimistic α held
             gamma = best_gamma(self.optimistic_alphas(), cost, self.gamma_max)
+        if gamma == 0 and self._tried[0] < self.min_trials:  # too little seen to rule drafting out
+            gamma = 1
         return gamma
 
     def choose(self) -> int:

@@ -136,6 +136,28 @@ def test_thin_evidence_does_not_switch_drafting_off():
     assert many.choose() == 0
 
 
+def test_two_failed_first_drafts_do_not_switch_a_fresh_policy_off():
+    """A prompt whose first two drafts fail (``specdec demo``'s default prompt):
+    at 2 ms per draft token against a 6.5 ms verify, after two rounds rejecting
+    the first draft even the optimistic α says stop. Two trials cannot rule
+    drafting out, so the policy drafts one token until the first position has
+    been tried ``min_trials`` times; then failures do stop it."""
+
+    def after_two_failures(**settings) -> AdaptiveGamma:
+        policy = AdaptiveGamma(gamma_max=8, **settings)
+        for _ in range(2):
+            policy.observe(RoundResult([0], 4, 0, 0.0085, 0.0065, None, 0.0025))
+        return policy
+
+    policy = after_two_failures()
+    assert best_gamma(policy.optimistic_alphas(), policy.cost(), 8) == 0
+    assert policy.choose() == 1
+    assert after_two_failures(min_trials=0).choose() == 0  # what the rule prevents
+    while policy._tried[0] < policy.min_trials:
+        policy.observe(RoundResult([0], 1, 0, 0.0025, 0.0065, None, 0.0025))
+    assert policy.choose() == 0
+
+
 def run_world(policy, rounds: int, alpha: float, draft_per_token: float, rng: random.Random) -> list[int]:
     """:func:`play` with α the same at every position, a 0.2 ms draft call and
     a verify of 6 ms + 0.3 ms per token."""
@@ -182,7 +204,8 @@ def test_rounds_without_drafts_keep_the_acceptance_evidence():
 
 
 def test_bad_settings_are_refused():
-    for bad in (dict(prior_alpha=1.2), dict(prior_weight=0), dict(optimism=-1), dict(probe_budget=0)):
+    for bad in (dict(prior_alpha=1.2), dict(prior_weight=0), dict(optimism=-1), dict(probe_budget=0),
+                dict(min_trials=-1)):
         with pytest.raises(ValueError):
             AdaptiveGamma(**bad)
     assert AdaptiveGamma(gamma_max=2).initial_gamma == 2
