@@ -268,7 +268,7 @@ class AdaptiveGamma:
         gamma = best_gamma(alphas, cost, self.gamma_max)
         if gamma == 0:  # not ruled out yet: draft as if the optimistic α held
             gamma = best_gamma(self.optimistic_alphas(), cost, self.gamma_max)
-        if gamma == 0 and self._tried[0] < self.min_trials:  # too little seen to rule drafting out
+        if gamma == 0 and self.gamma_max and self._tried[0] < self.min_trials:  # too little seen to rule it out
             gamma = 1
         return gamma
 

@@ -144,7 +144,7 @@ def test_two_failed_first_drafts_do_not_switch_a_fresh_policy_off():
     been tried ``min_trials`` times; then failures do stop it."""
 
     def after_two_failures(**settings) -> AdaptiveGamma:
-        policy = AdaptiveGamma(gamma_max=8, **settings)
+        policy = AdaptiveGamma(**{"gamma_max": 8, **settings})
         for _ in range(2):
             policy.observe(RoundResult([0], 4, 0, 0.0085, 0.0065, None, 0.0025))
         return policy
@@ -153,6 +153,7 @@ def test_two_failed_first_drafts_do_not_switch_a_fresh_policy_off():
     assert best_gamma(policy.optimistic_alphas(), policy.cost(), 8) == 0
     assert policy.choose() == 1
     assert after_two_failures(min_trials=0).choose() == 0  # what the rule prevents
+    assert after_two_failures(gamma_max=0).choose() == 0  # nothing to draft with
     while policy._tried[0] < policy.min_trials:
         policy.observe(RoundResult([0], 1, 0, 0.0025, 0.0065, None, 0.0025))
     assert policy.choose() == 0
