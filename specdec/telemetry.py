@@ -335,7 +335,7 @@ class ServerObserver(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: RpcMetrics | None, traced: bool | None = None):
         self.metrics = metrics
         self.traced = tracing.enabled() if traced is None else traced
-        self._spans: dict[str, tuple[str, dict]] = {}  # full method -> (span name, attributes)
+        self._attributes: dict[str, dict] = {}  # full method (also the span's name) -> its rpc.* attributes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -406,16 +406,16 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         invalid span and no token when tracing is off."""
         if not self.traced:
             return trace.INVALID_SPAN, None
-        named = self._spans.get(full_method)
-        if named is None:
+        attributes = self._attributes.get(full_method)
+        if attributes is None:
             service, _, method = full_method.lstrip("/").partition("/")
-            named = self._spans[full_method] = (full_method, {
+            attributes = self._attributes[full_method] = {
                 "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
-                "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]})
-        name, attributes = named
+                "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]}
         metadata = context.invocation_metadata()
         parent = propagate.extract(dict(metadata)) if metadata else None
-        span = tracing.tracer().start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        span = tracing.tracer().start_span(full_method, context=parent, kind=trace.SpanKind.SERVER,
+                                           attributes=attributes)
         if span.is_recording():  # which caller: several coordinators may share a service
             span.set_attributes(_peer_attributes(context.peer()))
         return span, otel_context.attach(trace.set_span_in_context(span, parent))
