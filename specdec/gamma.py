@@ -145,7 +145,7 @@ class AdaptiveGamma:
 
     * α per draft position (decayed counts, shrunk towards the pooled α where a
       position has been tried rarely);
-    * draft time: per token from the gaps between streamed drafts, the rest
+    * draft time (decayed means): per token from the gaps between streamed drafts, the rest
       (round trip, pre-fill of new tokens) as the fixed part;
     * verify time as a linear function of γ (decayed least squares; the fixed
       part holds the round trip to the target).
@@ -209,8 +209,8 @@ class AdaptiveGamma:
         self._tried = [0.0] * self.gamma_max
         self._accepted = [0.0] * self.gamma_max
         self._verify = _DecayingLine(self.decay)
-        self._draft_fixed: float | None = None
-        self._draft_per_token: float | None = None
+        self._draft_fixed = _DecayingMean(self.decay)
+        self._draft_per_token = _DecayingMean(self.decay)
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
         self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
         self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
@@ -226,10 +226,10 @@ class AdaptiveGamma:
         ]
 
     def cost(self) -> RoundCost | None:
-        if self._draft_fixed is None or self._verify.w == 0:
+        if self._draft_fixed.value is None or self._verify.w == 0:
             return None
         slope = self._verify_slope
-        return RoundCost(self._draft_fixed, self._draft_per_token, self._verify.intercept(slope), slope)
+        return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope), slope)
 
     def for_new_request(self, carry: float = 0.25) -> "AdaptiveGamma":
         """A copy to start the next request from: the round costs belong to the
@@ -316,29 +316,54 @@ class AdaptiveGamma:
             if slope is not None:
                 self._verify_slope = slope
         if g:
+            draft_per_token = self._draft_per_token
             if g >= 2 and result.draft_first_s is not None:
                 # Gaps between streamed drafts: per-token cost even after a catch-up.
-                per_token = (result.draft_s - result.draft_first_s) / (g - 1)
-                self._draft_per_token = _ema(self._draft_per_token, per_token, d)
-            elif self._draft_per_token is None or result.draft_caught_up:
+                draft_per_token.add((result.draft_s - result.draft_first_s) / (g - 1))
+            elif draft_per_token.value is None:
+                draft_per_token.add(result.draft_s / g)
+            elif result.draft_caught_up:
                 # No gap to time. After idle rounds (a probe) the draft did this
                 # call's work now, and the call as a whole bounds what a draft
                 # costs: a draft that got faster while idle is noticed at once.
                 # (Not in other rounds: a draft made ahead during the last
                 # verification arrives at once and would look free.)
-                per_token = result.draft_s / g
-                if self._draft_per_token is not None:
-                    per_token = min(self._draft_per_token, per_token)
-                self._draft_per_token = per_token
-            else:
-                per_token = self._draft_per_token
+                draft_per_token.cap(result.draft_s / g)
+            fixed = max(0.0, result.draft_s - draft_per_token.value * g)
             if not result.draft_caught_up:
-                fixed = max(0.0, result.draft_s - per_token * g)
-                self._draft_fixed = _ema(self._draft_fixed, fixed, d)
+                self._draft_fixed.add(fixed)
+            else:
+                # A catch-up call did more than a round's work, so it bounds the
+                # fixed part from above only; the bound undoes at once what a
+                # slow spell (a cold start, a busy machine) taught, which no
+                # drafting round would otherwise correct while the draft idles.
+                self._draft_fixed.cap(fixed)
 
 
-def _ema(old: float | None, new: float, decay: float) -> float:
-    return new if old is None else decay * old + (1 - decay) * new
+@dataclasses.dataclass
+class _DecayingMean:
+    """The mean of observations weighted by decay^age. Early on it is the plain
+    mean of the few seen, so one slow first call weighs no more than the others
+    (an exponential average started from the first value would keep ~90 % of it
+    after four more); later it moves like an exponential average, remembering
+    ~1 / (1 − decay) observations."""
+
+    decay: float
+    w: float = 0.0
+    total: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.w = self.decay * self.w + 1
+        self.total = self.decay * self.total + x
+
+    def cap(self, x: float) -> None:
+        """Lower the mean to ``x`` if it is above (its weight stays)."""
+        if self.w and self.total > x * self.w:
+            self.total = x * self.w
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.w if self.w else None
 
 
 # ----------------------------------------------------------------- parsing

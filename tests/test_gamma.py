@@ -74,9 +74,14 @@ WORLDS = {
 def test_adaptive_choice_matches_brute_force(world):
     alphas, cost = WORLDS[world]
     best, rates = brute_force(alphas, cost, 8)
-    chosen = simulate(AdaptiveGamma(gamma_max=8), alphas, cost, 400, random.Random(world))
-    # Equal to the brute-force optimum, or as good to within 2% (flat optima).
-    assert chosen == best or rates[chosen] >= 0.98 * rates[best], (chosen, best, rates)
+    # Timings carry 5 % noise and acceptance is sampled, so the estimates after
+    # 400 rounds are noisy: judged over 5 seeded runs. Each choice equal to the
+    # brute-force optimum, or as good to within 2% (flat optima), in at least 4;
+    # none more than 15 % off.
+    chosen = [simulate(AdaptiveGamma(gamma_max=8), alphas, cost, 400, random.Random(f"{world}{seed}"))
+              for seed in range(5)]
+    ratios = [rates[c] / rates[best] for c in chosen]
+    assert sum(r >= 0.98 for r in ratios) >= 4 and min(ratios) >= 0.85, (chosen, best, rates)
 
 
 def test_adaptive_follows_a_change_in_acceptance():
@@ -173,6 +178,32 @@ def test_a_draft_that_got_faster_while_idle_is_noticed():
     assert run_world(policy, 300, 0.8, 0.010, rng)[-50:].count(0) >= 45
     fast = run_world(policy, 400, 0.8, 0.001, rng)
     assert sum(fast[-100:]) / 100 >= 3, fast
+
+
+def test_one_slow_first_draft_call_does_not_decide_the_cost():
+    """The first calls to fresh services are slow. One 40 ms draft call among ten
+    weighs about a tenth of the estimate (an exponential average started from it
+    kept ~75 % of it after nine more, and made a short request idle)."""
+    policy = AdaptiveGamma(gamma_max=8)
+    for draft_fixed in [0.040] + [0.001] * 9:
+        policy.observe(RoundResult([0] * 3, 4, 2, draft_fixed + 0.004, 0.0072, None, draft_fixed + 0.001))
+    assert policy.cost().draft_fixed < 0.006  # the plain mean: 4.9 ms
+    assert policy.cost().draft_per_token == pytest.approx(0.001)
+
+
+def test_a_slow_spell_of_draft_calls_is_undone_by_the_first_probe():
+    """A slow spell (a cold start, a busy machine) made the draft's calls look
+    40 ms slower than they are: drafting does not pay, the policy idles, and
+    probes that expensive come rarely. A probe is a catch-up call, which bounds
+    the fixed cost from above: the first one brings it back down and drafting
+    resumes (before, it kept the 40 ms and went back to idling)."""
+    policy, rng = AdaptiveGamma(gamma_max=8), random.Random(0)
+    slow = play(policy, [0.8] * 16, RoundCost(0.040, 0.001, 0.006, 0.0003), 60, rng)
+    assert slow[-20:].count(0) >= 18 and policy.cost().draft_fixed > 0.030
+    fast = run_world(policy, 1000, 0.8, 0.001, rng)
+    probe = next(i for i, g in enumerate(fast) if g)
+    assert policy.cost().draft_fixed < 0.001
+    assert sum(fast[probe + 1:probe + 31]) / 30 >= 3, fast[probe:probe + 31]
 
 
 def test_one_fast_draft_call_while_drafting_does_not_make_drafting_look_free():
