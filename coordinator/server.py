@@ -19,7 +19,7 @@ import pathlib
 
 from specdec.config import CoordinatorConfig, env_names
 from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.server import COORDINATOR_SERVICE, GrpcServer, serve_until_signal, setup_logging
+from specdec.server import COORDINATOR_SERVICE, GrpcServer, bind_or_close, serve_until_signal, setup_logging
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 
 log = logging.getLogger("specdec.coordinator")
@@ -113,13 +113,20 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
     if tokenizer is None:
         log.warning("no tokenizer (give --tokenizer DIR): only prompt_ids requests work, deltas carry no text")
+    if telemetry is not None:  # first: a busy metrics port fails before anything listens
+        telemetry.serve_metrics(config.host)
     engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None,
                          metrics=telemetry.metrics if telemetry else None)
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         interceptors=telemetry.server_interceptors() if telemetry else ())
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(engine, executor), server.server)
-    port = server.bind(config.host, config.port)
+    try:
+        port = await bind_or_close(server, config.host, config.port, telemetry)
+    except OSError:
+        executor.shutdown(wait=False)
+        engine.close()
+        raise
     await server.start()
     await server.set_serving(True)
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s)",
@@ -130,8 +137,6 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
 
     # In the background: the services may still be loading their models.
     asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
-    if telemetry is not None:
-        telemetry.serve_metrics(config.host)
     return RunningCoordinator(server, engine, executor, port, telemetry)
 
 

@@ -70,7 +70,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             if gamma and host.config.draft_ahead:
                 host.run_in_background(self._draft_ahead, session, params, request.draft_top_k, gamma)
 
-    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int, stop) -> None:
+    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int, timing: ServerTiming, stop) -> None:
         """While the target verifies, this device would idle: draft the next round
         as if every draft is accepted (:func:`specdec.local.draft_ahead`): the
         guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
@@ -80,7 +80,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         made = draft_ahead(host.runner, seq, params, draft_top_k, 1 + gamma + DRAFT_AHEAD_EXTRA,
                            lambda: stop() or not host.sessions.holds(session))
         # q leaves the device now rather than on the next call's critical path.
-        seq.ahead.drafts[:] = [DraftToken(d.token, host.to_host(d.q, ServerTiming())) for d in seq.ahead.drafts]
+        seq.ahead.drafts[:] = [DraftToken(d.token, host.to_host(d.q, timing)) for d in seq.ahead.drafts]
         if host.metrics is not None:
             host.metrics.observe_draft_ahead(made=max(0, made - 1))  # the guess itself is never reused
 

@@ -94,11 +94,10 @@ class CoordinatorMetrics(RpcMetrics):
         self.bytes = Counter("specdec_rpc_bytes", "Serialized protobuf bytes of Propose/Verify, by side and direction.",
                              ["side", "direction"], registry=r)
 
-    def observe_round(self, *, gamma: int, accepted: int, tokens: int, wall_s: float,
+    def observe_round(self, *, gamma: int, accepted: int, wall_s: float,
                       phases: Mapping[str, float]) -> None:
         self.rounds.inc()
         self.gamma.set(gamma)
-        self.generated_tokens.inc(tokens)
         self.round_duration.observe(wall_s)
         for phase, seconds in phases.items():
             self.round_phase.labels(phase).observe(seconds)
@@ -107,13 +106,19 @@ class CoordinatorMetrics(RpcMetrics):
             self.num_draft_tokens.inc(gamma)
             self.num_accepted_tokens.inc(accepted)
             self.accepted_length.observe(accepted)
-            for position in range(accepted):
-                self.num_accepted_per_pos.labels(str(position)).inc()
+            for position in range(gamma):  # every drafted position has a series, 0 until accepted
+                counter = self.num_accepted_per_pos.labels(str(position))
+                if position < accepted:
+                    counter.inc()
 
     def observe_call(self, side: str, network_s: float, bytes_out: int, bytes_in: int) -> None:
         self.network.labels(side).observe(network_s)
         self.bytes.labels(side, "out").inc(bytes_out)
         self.bytes.labels(side, "in").inc(bytes_in)
+
+    def observe_delivered(self, tokens: int) -> None:
+        """Tokens streamed to a client (a round's tokens past a stop string are not)."""
+        self.generated_tokens.inc(tokens)
 
     def observe_request(self, *, prompt_tokens: int, finish_reason: str) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -34,7 +34,7 @@ from specdec.metrics import ServiceMetrics
 from specdec.model_runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.sampling import SamplingParams, SparseDist
-from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, serve_until_signal, setup_logging
+from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, bind_or_close, serve_until_signal, setup_logging
 from specdec.sessions import SessionStore
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 from specdec.timing import ServerTiming
@@ -120,23 +120,30 @@ class ModelHost:
         self._calls_submitted += 1
 
         def job():
-            start = time.perf_counter()
-            copy_before, tokens_before = timing.copy_s, self._computed_tokens
-            try:
-                return fn(*args)
-            finally:
-                self._synchronize()
-                elapsed = time.perf_counter() - start
-                timing.queue_s += start - submitted
-                timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
-                timing.computed_tokens += self._computed_tokens - tokens_before
+            timing.queue_s += time.perf_counter() - submitted
+            return self._timed(timing, fn, *args)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
+    def _timed(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the worker thread; adds its compute time (copies
+        excluded) and the tokens it ran through the model to ``timing``."""
+        start = time.perf_counter()
+        copy_before, tokens_before = timing.copy_s, self._computed_tokens
+        try:
+            return fn(*args)
+        finally:
+            self._synchronize()
+            elapsed = time.perf_counter() - start
+            timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
+            timing.computed_tokens += self._computed_tokens - tokens_before
+
     def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args, stop)`` on the model's executor, for work no call waits
-        for (drafting ahead). ``stop()`` turns true once a call's work is queued
-        behind it or the service drains; ``fn`` should then return within a step.
+        """Queue ``fn(*args, timing, stop)`` on the model's executor, for work no
+        call waits for (drafting ahead). ``stop()`` turns true once a call's work
+        is queued behind it or the service drains; ``fn`` should then return
+        within a step. Its compute, copies (``fn`` times them into ``timing``) and
+        tokens go into the metrics like a call's: the device's load includes it.
         Failures are logged: they must not affect any call."""
         if self.draining:
             return
@@ -146,10 +153,13 @@ class ModelHost:
             return self._calls_submitted != since or self.draining
 
         def job():
+            timing = ServerTiming()
             try:
-                fn(*args, stop)
+                self._timed(timing, fn, *args, timing, stop)
             except Exception:  # noqa: BLE001
                 log.exception("background work on the %s model failed", self.config.role)
+            if self.metrics is not None:
+                self.metrics.observe_timing(timing)
 
         with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
             self.executor.submit(job)
@@ -335,10 +345,12 @@ async def start_model_service(
     host = ModelHost(config)
     if telemetry is not None and isinstance(telemetry.metrics, ServiceMetrics):
         host.metrics = telemetry.metrics
+    if telemetry is not None:  # first: a busy metrics port fails before anything listens
+        telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
     server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
                         interceptors=telemetry.server_interceptors() if telemetry else ())
     add_servicer(host, server.server)
-    port = server.bind(config.host, config.port)
+    port = await bind_or_close(server, config.host, config.port, telemetry)
     await server.start()
     log.info("%s service listening on %s:%d (loading model %s on %s)",
              config.role, config.host, port, runner.path if runner else config.model_path(), config.device)
@@ -355,8 +367,6 @@ async def start_model_service(
         log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
                  config.role, r.path, r.vocab_size, r.max_context, config.dtype, r.device, config.host, port)
 
-    if telemetry is not None:
-        telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
     task = asyncio.ensure_future(load())
     if wait_loaded:
         await task

@@ -97,8 +97,9 @@ class GrpcServer:
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:
             bound = self.server.add_insecure_port(address)
-        except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
-            raise OSError(f"cannot listen on {address}: {e}") from None
+        except RuntimeError:  # grpc raises RuntimeError when it cannot bind (and logs why)
+            raise OSError(f"cannot listen on {address}: the port is in use, or the host is not "
+                          f"an address of this machine") from None
         if bound == 0:
             raise OSError(f"cannot listen on {address} (address in use?)")
         self.port = bound
@@ -136,6 +137,18 @@ class GrpcServer:
         """Stop at once (tests)."""
         self.draining = True
         await self.server.stop(None)
+
+
+async def bind_or_close(server: GrpcServer, host: str, port: int, telemetry=None) -> int:
+    """:meth:`GrpcServer.bind`; if that fails, stop the server (and the metrics
+    endpoint) before raising, so the process exits with the message alone."""
+    try:
+        return server.bind(host, port)
+    except OSError:
+        await server.stop()
+        if telemetry is not None:
+            telemetry.close()
+        raise
 
 
 async def wait_for_signal(signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> int:

@@ -192,7 +192,7 @@ class RoundScope:
             self.span.set_attributes(round_attributes(self.index, result, self.calls, phases, wall))
         metrics = self._observer.metrics
         if metrics is not None:
-            metrics.observe_round(gamma=result.gamma, accepted=result.accepted, tokens=len(result.tokens),
+            metrics.observe_round(gamma=result.gamma, accepted=result.accepted,
                                   wall_s=wall, phases=phases)
 
 
@@ -299,6 +299,9 @@ def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, 
             model=model, max_tokens=max_tokens, temperature=temperature, input_tokens=input_tokens,
             conversation_id=conversation_id, extra=extra) as span:
         for event in events:
+            delivered = getattr(event, "token_ids", None)  # a Delta: what the client gets
+            if delivered is not None and metrics is not None:
+                metrics.observe_delivered(len(delivered))
             generated = getattr(event, "generated_tokens", None)
             if generated is not None:
                 finish = getattr(event, "finish_reason", "") or "length"
@@ -313,6 +316,11 @@ def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, 
 
 
 # ====================================================================== services
+
+
+# Probes call these every few seconds: a root trace each would bury the
+# requests' traces at the collector.
+UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health"})
 
 
 class ServerObserver(grpc.aio.ServerInterceptor):
@@ -409,9 +417,11 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         attributes = self._attributes.get(full_method)
         if attributes is None:
             service, _, method = full_method.lstrip("/").partition("/")
-            attributes = self._attributes[full_method] = {
+            attributes = self._attributes[full_method] = {} if service in UNTRACED_SERVICES else {
                 "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                 "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]}
+        if not attributes:  # health checks: counted, not traced
+            return trace.INVALID_SPAN, None
         metadata = context.invocation_metadata()
         parent = propagate.extract(dict(metadata)) if metadata else None
         span = tracing.tracer().start_span(full_method, context=parent, kind=trace.SpanKind.SERVER,

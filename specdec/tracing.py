@@ -11,7 +11,9 @@ Configuration is the standard OpenTelemetry environment, plus one file flag:
   ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``..._TRACES_PROTOCOL`` = ``grpc`` (default) |
   ``http/protobuf``; the exporters read the rest (headers, timeouts) themselves.
 * ``OTEL_SERVICE_NAME`` overrides the service's own name (``specdec-draft`` ...).
-* ``OTEL_SDK_DISABLED=true`` turns everything off.
+* ``OTEL_SDK_DISABLED=true`` turns everything off, the trace file included.
+* Values this build does not know (an exporter such as ``zipkin``, a protocol
+  such as ``http/json``) are ignored with a warning, as the spec asks.
 * ``--trace-file PATH`` / ``SPECDEC_TRACE_FILE``: every finished span as one JSON
   line, appended (several processes may share a file); ``specdec trace-report``
   reads it.
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 TRACER_NAME = "specdec"
 TRACE_FILE_ENV = "SPECDEC_TRACE_FILE"
+SUPPORTED_EXPORTERS = ("otlp", "console")
 
 # gen_ai.* semantic-convention attribute names (GenAI semconv, incubating).
 GEN_AI_OPERATION = "gen_ai.operation.name"
@@ -77,9 +80,15 @@ def enabled() -> bool:
 # ---------------------------------------------------------------- provider setup
 
 
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    return environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
 def exporter_names(environ: Mapping[str, str]) -> list[str]:
-    """The span exporters the environment asks for (``otlp``, ``console``)."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    """The span exporters the environment asks for (``otlp``, ``console``).
+    Names this build does not support are ignored with a warning, as the
+    OpenTelemetry configuration spec asks (a typo must not stop a server)."""
+    if sdk_disabled(environ):
         return []
     raw = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if not raw:
@@ -88,21 +97,34 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
         endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         return ["otlp"] if endpoint else []
     names = [n.strip() for n in raw.split(",") if n.strip() and n.strip() != "none"]
-    unknown = [n for n in names if n not in ("otlp", "console")]
-    if unknown:
-        raise ValueError(f"OTEL_TRACES_EXPORTER={raw!r}: unknown exporter {unknown[0]!r} (use otlp, console or none)")
-    return names
+    for name in names:
+        if name not in SUPPORTED_EXPORTERS:
+            log.warning("OTEL_TRACES_EXPORTER=%s: exporter %r is not supported (use otlp, console or none); "
+                        "ignored", raw, name)
+    return [n for n in names if n in SUPPORTED_EXPORTERS]
+
+
+def _otlp_protocol(environ: Mapping[str, str]) -> str:
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip().lower()
+    if protocol not in ("grpc", "http/protobuf"):
+        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s is not supported (use grpc or http/protobuf); using grpc",
+                    protocol)
+        return "grpc"
+    return protocol
+
+
+def _otlp_description(environ: Mapping[str, str]) -> str:
+    """What the startup log says of the OTLP exporter: protocol and endpoint."""
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return f"otlp ({_otlp_protocol(environ)}, {endpoint or 'the default endpoint on localhost'})"
 
 
 def _otlp_exporter(environ: Mapping[str, str]):
-    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip().lower()
-    if protocol == "grpc":
+    if _otlp_protocol(environ) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    elif protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported (use grpc or http/protobuf)")
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     return OTLPSpanExporter()
 
 
@@ -119,6 +141,10 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
     ``os.environ``, as the SDK does."""
     environ = os.environ if environ is None else environ
     trace_file = trace_file or environ.get(TRACE_FILE_ENV) or None
+    if sdk_disabled(environ):
+        if trace_file:
+            log.warning("OTEL_SDK_DISABLED=true: tracing is off, %s is not written", trace_file)
+        return None
     names = exporter_names(environ)
     if not names and not trace_file:
         return None
@@ -137,7 +163,8 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     log.info("tracing %s to %s", resource.attributes.get("service.name"),
-             ", ".join(names + ([f"file {trace_file}"] if trace_file else [])))
+             ", ".join([_otlp_description(environ) if n == "otlp" else n for n in names]
+                       + ([f"file {trace_file}"] if trace_file else [])))
     return provider
 
 

@@ -26,7 +26,7 @@ def exported() -> dict[str, set[str]]:
 
     stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1)
     coordinator, service = CoordinatorMetrics(), ServiceMetrics("target", sessions=lambda: stats)
-    coordinator.observe_round(gamma=2, accepted=1, tokens=2, wall_s=0.01, phases=dict.fromkeys(ROUND_PHASES, 0.001))
+    coordinator.observe_round(gamma=2, accepted=1, wall_s=0.01, phases=dict.fromkeys(ROUND_PHASES, 0.001))
     coordinator.observe_call("draft", 0.001, 10, 10)
     coordinator.observe_request(prompt_tokens=3, finish_reason="length")
     for m in (coordinator, service):

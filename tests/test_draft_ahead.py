@@ -213,7 +213,7 @@ def test_background_work_yields_to_the_next_call():
         host = ModelHost(ServiceConfig(role="draft", port=0))
         started, order = threading.Event(), []
 
-        def background(stop):
+        def background(timing, stop):
             started.set()
             deadline = time.monotonic() + 5
             while not stop() and time.monotonic() < deadline:
@@ -229,6 +229,32 @@ def test_background_work_yields_to_the_next_call():
         return order
 
     assert asyncio.run(main()) == ["stopped", "call"]
+
+
+def test_background_work_counts_in_the_service_metrics():
+    """Drafting ahead is the draft device's work too: its compute and tokens
+    reach the metrics as a call's do (no call reports them)."""
+    from specdec.metrics import ServiceMetrics
+
+    async def main():
+        host = ModelHost(ServiceConfig(role="draft", port=0))
+        host.metrics = ServiceMetrics("draft")
+        done = threading.Event()
+
+        def background(timing, stop):
+            host._computed_tokens += 7  # what the model's forward hook counts
+            time.sleep(0.02)
+            done.set()
+
+        host.run_in_background(background)
+        assert await asyncio.get_running_loop().run_in_executor(None, done.wait, 5)
+        await host.run(ServerTiming(), lambda: None)  # after the background job
+        host.close()
+        return host.metrics.registry
+
+    registry = asyncio.run(main())
+    assert registry.get_sample_value("specdec_server_computed_tokens_total", {"service": "draft"}) == 7
+    assert registry.get_sample_value("specdec_server_seconds_total", {"service": "draft", "part": "compute"}) >= 0.02
 
 
 # ---------------------------------------------------------------- in the draft service

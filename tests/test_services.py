@@ -372,3 +372,26 @@ def test_service_help(capsys):
         for flag in ("--model", "--device", "--port", "--max-sessions", "--session-ttl", "--max-cached-tokens"):
             assert flag in out
         assert port in out and f"SPECDEC_{command.split('-')[0].upper()}_PORT" in out
+
+
+@pytest.mark.parametrize("command", ["draft-service", "coordinator"])
+@pytest.mark.parametrize("busy", ["--port", "--metrics-port"])
+def test_a_busy_port_is_one_line_and_exit_status_1(command, busy, capfd):
+    """No traceback, no asyncio noise from a half-started server: the message."""
+    import gc
+    import socket
+
+    from specdec.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = [command, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", busy, str(port)]
+        if command == "coordinator":
+            argv += ["--draft", "127.0.0.1:1", "--target", "127.0.0.1:2"]
+        assert main(argv) == 1
+        gc.collect()  # a server left unstopped complains when collected
+    err = capfd.readouterr().err
+    assert f"specdec {command}: error: cannot " in err and f"127.0.0.1:{port}" in err
+    assert "Traceback" not in err and "never awaited" not in err and "Event loop is closed" not in err

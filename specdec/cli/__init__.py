@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a message, not a traceback
         print(f"specdec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a port in use, a file that cannot be written
+        print(f"specdec {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
