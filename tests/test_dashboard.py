@@ -17,6 +17,7 @@ from specdec.sessions import StoreStats
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "specdec-dashboard.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+PROMETHEUS_LOCAL = DEPLOY / "prometheus" / "prometheus-local.yml"
 
 
 def exported() -> dict[str, set[str]]:
@@ -86,10 +87,22 @@ def test_dashboard_covers_what_operators_ask_for():
 
 
 def test_prometheus_scrapes_the_three_services():
-    config = yaml.safe_load(PROMETHEUS.read_text())
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for role in ("coordinator", "draft", "target"):
-        job = jobs[f"specdec-{role}"]
-        assert job["static_configs"][0]["targets"], role
+    """On one machine: the ports ``specdec serve --metrics-port 9464`` gives each
+    role. In Kubernetes: every annotated specdec pod, once (no static job
+    beside it, which would count each sample twice)."""
+    from specdec.cli.serve import METRICS_PORT_OFFSETS
+
+    local = yaml.safe_load(PROMETHEUS_LOCAL.read_text())
+    jobs = {job["job_name"]: job for job in local["scrape_configs"]}
+    assert set(jobs) == {f"specdec-{role}" for role in METRICS_PORT_OFFSETS}
+    for role, offset in METRICS_PORT_OFFSETS.items():
+        (static,) = jobs[f"specdec-{role}"]["static_configs"]
+        assert static["targets"] == [f"localhost:{9464 + offset}"]
         # a target label named like a metric label would be renamed exported_<label>
-        assert "service" not in job["static_configs"][0].get("labels", {})
+        assert static["labels"] == {"component": role}
+
+    (pods,) = yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
+    assert pods["kubernetes_sd_configs"] == [{"role": "pod"}]
+    relabel = {r.get("target_label"): r for r in pods["relabel_configs"]}
+    assert relabel["component"]["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+    assert "service" not in relabel

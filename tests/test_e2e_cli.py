@@ -35,8 +35,28 @@ def test_demo_without_models_says_what_to_do(tmp_path, capsys):
     assert "is not a model directory" in capsys.readouterr().err
 
 
+def three_free_ports() -> int:
+    """PORT such that PORT, PORT+1 and PORT+2 were free a moment ago."""
+    import socket
+
+    from specdec.server import free_port
+
+    for _ in range(100):
+        base = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", base + 1))
+                b.bind(("0.0.0.0", base + 2))
+                return base
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports")
+
+
 def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
+    import json
     import os
+    import urllib.request
     import signal
     import subprocess
     import sys
@@ -47,10 +67,13 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
 
     target, draft = pair
     ports = [free_port() for _ in range(3)]
+    metrics = three_free_ports()
+    trace_file = tmp_path / "spans.jsonl"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "serve", "--target-model", str(target), "--draft-model", str(draft),
-         "--coordinator-port", str(ports[0]), "--draft-port", str(ports[1]), "--target-port", str(ports[2])],
+         "--coordinator-port", str(ports[0]), "--draft-port", str(ports[1]), "--target-port", str(ports[2]),
+         "--metrics-port", str(metrics), "--trace-file", str(trace_file)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
@@ -65,6 +88,12 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
             client.wait_ready(timeout=120)
             out = client.complete(prompt_ids=[100, 101], max_new_tokens=8)
             assert out.stats.generated_tokens == 8
+        # --metrics-port PORT: coordinator on PORT, draft PORT+1, target PORT+2.
+        for offset, sample in ((0, "specdec_generated_tokens_total 8.0"),
+                               (1, 'specdec_rpc_server_duration_seconds_count{method="Propose",service="draft"}'),
+                               (2, 'specdec_rpc_server_duration_seconds_count{method="Verify",service="target"}')):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics + offset}/metrics", timeout=10) as r:
+                assert sample in r.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     except BaseException:
@@ -76,5 +105,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
             proc.wait()
     text = (tmp_path / "serve.log").read_text()
     assert f"specdec serve: coordinator on 127.0.0.1:{ports[0]}" in text
+    services = {json.loads(line)["service"] for line in trace_file.read_text().splitlines()}
+    assert services == {"specdec-coordinator", "specdec-draft", "specdec-target"}  # flushed at exit
     assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
     assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")

@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"target service port (default {DEFAULT_PORTS['target']})")
     p.add_argument("--drain-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, seconds in-flight calls may take to finish (default 30)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus /metrics: the coordinator on PORT, the draft service on PORT+1, "
+                        "the target service on PORT+2 (deploy/prometheus/prometheus-local.yml scrapes "
+                        "9464-9466); default 0: off")
+    p.add_argument("--trace-file", default=None, metavar="PATH",
+                   help="all three services append their spans to PATH as JSON lines (for specdec "
+                        "trace-report); OTEL_* variables configure other exporters")
 
 
 def model_dirs(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
@@ -101,6 +108,9 @@ def child_env(threads: int | None = None) -> dict[str, str]:
     return env
 
 
+# specdec serve --metrics-port PORT: where each role's /metrics goes.
+METRICS_PORT_OFFSETS = {"coordinator": 0, "draft": 1, "target": 2}
+
 # The variables that set the draft service's --draft-ahead (most specific first).
 DRAFT_AHEAD_ENV = env_names(ServiceConfig, "draft_ahead", role_prefixes("draft"))
 
@@ -108,15 +118,20 @@ DRAFT_AHEAD_ENV = env_names(ServiceConfig, "draft_ahead", role_prefixes("draft")
 class Stack:
     """The three service processes. ``log`` is where their output goes (None:
     this process's stdout/stderr); ``cpus`` pins a role's process to CPUs (None:
-    inherited)."""
+    inherited); ``metrics_ports`` / ``trace_file``: each role's ``--metrics-port``,
+    every role's ``--trace-file``."""
 
     def __init__(self, *, target: pathlib.Path, draft: pathlib.Path, ports: dict[str, int],
                  devices: dict[str, str], tokenizer: str | None = None, drain_grace: float = 30.0,
-                 log: pathlib.Path | None = None, cpus: dict[str, set[int]] | None = None):
+                 log: pathlib.Path | None = None, cpus: dict[str, set[int]] | None = None,
+                 metrics_ports: dict[str, int] | None = None, trace_file: str | None = None):
         self.ports = ports
         self.log_path = log
         out = open(log, "ab") if log is not None else None
         common = ["--host", HOST, "--drain-grace", str(drain_grace)]
+        if trace_file:
+            common += ["--trace-file", str(trace_file)]
+        metrics = {role: ["--metrics-port", str(port)] for role, port in (metrics_ports or {}).items()}
         cli = [sys.executable, "-m", "specdec.cli"]
         self.procs: dict[str, subprocess.Popen] = {}
         # Own process group: a Ctrl-C reaches this process only, which then stops
@@ -136,10 +151,12 @@ class Stack:
             for role, model in (("draft", draft), ("target", target)):
                 self.procs[role] = subprocess.Popen(
                     [*cli, f"{role}-service", "--model", str(model), "--device", devices[role],
-                     "--port", str(ports[role]), *common], env=envs[role], **kw, **pinned(role))
+                     "--port", str(ports[role]), *common, *metrics.get(role, ())],
+                    env=envs[role], **kw, **pinned(role))
             self.procs["coordinator"] = subprocess.Popen(
                 [*cli, "coordinator", "--draft", self.address("draft"), "--target", self.address("target"),
-                 "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common],
+                 "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common,
+                 *metrics.get("coordinator", ())],
                 env=child_env(1), **kw, **pinned("coordinator"))
         except BaseException:
             self.stop()
@@ -212,8 +229,18 @@ def run(args: argparse.Namespace) -> int:
     ports = {"coordinator": args.coordinator_port, "draft": args.draft_port, "target": args.target_port}
     if len(set(ports.values())) != 3:
         raise ValueError(f"the three ports must differ, got {ports}")
+    metrics_ports = None
+    if args.metrics_port:
+        if not 0 < args.metrics_port <= 65535 - 2:
+            raise ValueError(f"--metrics-port {args.metrics_port}: give a port in [1, 65533] (PORT+2 is used too)")
+        metrics_ports = {role: args.metrics_port + offset for role, offset in METRICS_PORT_OFFSETS.items()}
+        clash = set(metrics_ports.values()) & set(ports.values())
+        if clash:
+            raise ValueError(f"--metrics-port {args.metrics_port}: /metrics ports {sorted(metrics_ports.values())} "
+                             f"overlap the services' ports {sorted(ports.values())}")
     stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer,
-                  devices={"draft": args.device_draft, "target": args.device_target}, drain_grace=args.drain_grace)
+                  devices={"draft": args.device_draft, "target": args.device_target}, drain_grace=args.drain_grace,
+                  metrics_ports=metrics_ports, trace_file=args.trace_file)
     # From here on SIGTERM / Ctrl-C mean "drain and exit": handled below, not by raising.
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -224,7 +251,10 @@ def run(args: argparse.Namespace) -> int:
             return stack.stop()
         print(f"specdec serve: coordinator on {stack.address('coordinator')} "
               f"(draft {draft} on {args.device_draft} at :{ports['draft']}, "
-              f"target {target} on {args.device_target} at :{ports['target']}); Ctrl-C to stop",
+              f"target {target} on {args.device_target} at :{ports['target']})"
+              + (f"; /metrics on :{metrics_ports['coordinator']}, :{metrics_ports['draft']}, "
+                 f":{metrics_ports['target']}" if metrics_ports else "")
+              + (f"; spans to {args.trace_file}" if args.trace_file else "") + "; Ctrl-C to stop",
               file=sys.stderr, flush=True)
         while not stopping:
             stack.check_alive()
