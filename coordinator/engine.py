@@ -38,6 +38,7 @@ log = logging.getLogger("specdec.coordinator")
 
 MAX_SESSION_ID_LEN = 256
 MAX_LEARNED_REGIMES = 64  # adaptive γ estimates kept for warm starts, one per decoding regime
+CLOSING_WAIT_S = 10.0  # a new request waits this long for a cancelled one on its session to end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +105,11 @@ class Coordinator:
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
         self._pair: PairInfo | None = None
-        self._busy: set[str] = set()
+        # Sessions with a request in progress -> whether it is closing (cancelled,
+        # its cleanup under way); _released is notified when one ends.
+        self._busy: dict[str, bool] = {}
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime(), least recent first
 
     # ------------------------------------------------------------- the pair
@@ -176,16 +180,32 @@ class Coordinator:
             self._release(session_id)
 
     def _claim(self, session_id: str) -> None:
-        with self._lock:
-            if session_id in self._busy:
-                raise errors.FailedPrecondition(
-                    f"session {session_id!r} is already generating: one request per session at a time"
-                )
-            self._busy.add(session_id)
+        """One request per session at a time. A request that was cancelled but is
+        still ending (its round in flight, EndSession on both services) is waited
+        for, up to ``CLOSING_WAIT_S``: "stop, then send the next message" is how
+        chat clients work, and they cannot know when the cleanup is over."""
+        with self._released:
+            deadline = time.monotonic() + CLOSING_WAIT_S
+            while session_id in self._busy:
+                remaining = deadline - time.monotonic()
+                if not self._busy[session_id] or remaining <= 0:
+                    raise errors.FailedPrecondition(
+                        f"session {session_id!r} is already generating: one request per session at a time"
+                    )
+                self._released.wait(remaining)
+            self._busy[session_id] = False
 
     def _release(self, session_id: str) -> None:
+        with self._released:
+            self._busy.pop(session_id, None)
+            self._released.notify_all()
+
+    def cancelled(self, session_id: str) -> None:
+        """The client of ``session_id``'s request has gone: the next request on
+        the session may wait for its cleanup instead of being refused."""
         with self._lock:
-            self._busy.discard(session_id)
+            if session_id in self._busy:
+                self._busy[session_id] = True
 
     # ------------------------------------------------------------- generate
 
@@ -238,6 +258,7 @@ class Coordinator:
         self._claim(sid)
         try:
             record = self.directory.get(sid) if named else None
+            existed = record is not None
             if record is None:
                 record = SessionRecord(session_id=sid)
                 if named:  # forgotten here but maybe still held there: start clean (round ids restart)
@@ -252,7 +273,7 @@ class Coordinator:
                 )
             params = job.sampling.with_seed()
             state = SessionState(tokens=tokens, draft_synced=record.draft_synced, target_synced=record.target_synced)
-            events = self._run(job, sid, named, record, state, prompt_ids, params, policy, pair, started)
+            events = self._run(job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started)
             yield from observe_generation(
                 events, metrics=self.metrics, model=pair.target_name, max_tokens=job.max_new_tokens,
                 temperature=params.temperature, input_tokens=len(prompt_ids), conversation_id=sid,
@@ -262,7 +283,12 @@ class Coordinator:
         finally:
             self._release(sid)
 
-    def _run(self, job, sid, named, record, state, prompt_ids, params, policy, pair, started):
+    def _run(self, job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started):
+        """The rounds of one turn. A turn is all or nothing for the session's
+        history: one that does not finish (the client cancelled, a service
+        failed) leaves it as it was before the turn, its prompt included. What
+        the client received of it cannot be known (gRPC buffers a stream's
+        messages), so a client that wants to keep it sends it again."""
         ids = RoundIds(record.next_round_id)
         draft_stats, target_stats = SideStats(), SideStats()
         proposer = None
@@ -281,9 +307,6 @@ class Coordinator:
             observer=self.observer,
         )
         done = False
-        # An event counts as delivered once the consumer asks for the next one: the
-        # servicer drops the event of a step that finished after the client left.
-        delivered = start_len
         try:
             for result in rounds:
                 gammas.append(result.gamma)
@@ -297,7 +320,6 @@ class Coordinator:
                     finish = "stop"
                 if kept or delta:
                     yield Delta(kept, delta)
-                delivered = len(state.tokens)
                 if finish == "stop":
                     break
                 finish = result.finish_reason or finish
@@ -311,25 +333,23 @@ class Coordinator:
         finally:
             rounds.close()
             elapsed = time.perf_counter() - started
-            if not done:  # keep no tokens in the history that the client never got
-                del state.tokens[delivered:]
-            record.tokens = state.tokens
             # A failed round may have left its id recorded in one service: skip it.
             record.next_round_id = ids.next_id + (0 if done else 1)
-            record.sampling = dataclasses.asdict(params)
-            record.gamma_policy = job.gamma_policy
             if not done:
                 # Cancelled by the client, or a service failed: free what the
                 # services hold (best effort). A named session keeps its history
-                # and will be re-pre-filled if it continues.
-                log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services",
-                         sid, len(state.tokens) - start_len)
+                # from before this turn and is re-pre-filled if it continues.
+                log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services; "
+                         "the session's history stays as before this turn", sid, len(state.tokens) - start_len)
                 self.draft.end_session(sid)
                 self.target.end_session(sid)
-                if named:
+                if existed:
                     record.draft_synced = record.target_synced = 0
                     self.directory.put(record)
             elif named:
+                record.tokens = state.tokens
+                record.sampling = dataclasses.asdict(params)
+                record.gamma_policy = job.gamma_policy
                 record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
                 self.directory.put(record)
             else:

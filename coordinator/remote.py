@@ -86,6 +86,10 @@ class ServiceClient:
         except grpc.RpcError as e:
             log.warning("EndSession(%s) on %s service %s failed: %s", session_id, self.role, self.address, _details(e))
             return False
+        except ValueError as e:  # the channel is closed: the coordinator is shutting down
+            log.warning("EndSession(%s) on %s service %s not sent: %s (the service frees it after its TTL)",
+                        session_id, self.role, self.address, e)
+            return False
 
     def translate(self, e: grpc.RpcError, method: str) -> Exception:
         """A failed call -> the exception the coordinator's client should see,

@@ -94,10 +94,23 @@ class RunningCoordinator:
             await self.server.stop()
         else:
             await self.server.drain(grace_s)
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.close()
+        await self.finish_work()
         if self.telemetry is not None:
             self.telemetry.close()
+
+    async def finish_work(self) -> None:
+        """After the server has stopped: let the rounds' threads finish what they
+        hold, above all the cleanup of requests the drain cancelled (EndSession
+        on both services), then close the channels. Bounded: a step waits for a
+        service at most the call timeout, each EndSession the info timeout."""
+        cfg = self.engine.config
+        limit = cfg.call_timeout_s + 2 * cfg.info_timeout_s
+        waiting = asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), limit)
+        except asyncio.TimeoutError:
+            log.warning("requests still running %.0f s after the drain: closing their channels", limit)
+        self.engine.close()
 
 
 async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemetry | None = None) -> RunningCoordinator:
@@ -150,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             await serve_until_signal(coordinator.server, config.drain_grace_s)
         finally:
-            coordinator.executor.shutdown(wait=False, cancel_futures=True)
-            coordinator.engine.close()
+            await coordinator.finish_work()
 
     asyncio.run(main())
     log.info("coordinator exited cleanly")

@@ -69,6 +69,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     finished = True
                     return
                 yield event_to_proto(event)
+        except (asyncio.CancelledError, GeneratorExit):  # the client has gone
+            if job.session_id:
+                self.engine.cancelled(job.session_id)  # its next request may wait for the cleanup below
+            raise
         finally:
             if not finished:  # cancelled, or the stream failed: free the services' state
                 cleanup = loop.run_in_executor(self.executor, _close_after, step, steps, context)

@@ -10,6 +10,7 @@ rounds see both acceptances and rejections.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
@@ -47,12 +48,13 @@ class FakeService:
         self.vocab, self.fingerprint, self.eos_at = vocab, fingerprint, eos_at
         self.lose_everything = False
         self.unavailable_once = False
+        self.unavailable_always = False  # a service that stays down
         self.round_ids: list[int] = []
 
     def _seq(self, request, context) -> list[int]:
         self.calls.append((request.session_id, request.position, len(request.new_tokens)))
         self.round_ids.append(request.round_id)
-        if self.unavailable_once:
+        if self.unavailable_once or self.unavailable_always:
             self.unavailable_once = False
             context.abort(grpc.StatusCode.UNAVAILABLE, "blip")
         if self.lose_everything:
@@ -257,17 +259,57 @@ def test_cancelling_ends_the_session_in_both_services(fakes):
     assert "c" in draft.sessions and "c" in target.sessions
     steps.close()  # the client left before the second round's delta was sent
     assert "c" in draft.ended and "c" in target.ended
-    record = engine.directory.get("c")  # the history stays; both sides re-pre-fill if it continues
-    assert record.draft_synced == record.target_synced == 0
-    assert record.tokens == [104] + first.token_ids  # only what was delivered
-    ids, _, _ = run(engine, prompt_ids=(33,), max_new_tokens=3, session_id="c")
-    assert ids == expected_tokens(len(record.tokens) + 1, 3)
+    # A new session whose first turn did not finish is not kept.
+    assert engine.directory.get("c") is None
+
+
+def test_a_turn_that_does_not_finish_leaves_the_history_as_before_it(fakes):
+    """What the client received of a cancelled or failed turn cannot be known
+    (gRPC buffers a stream), so the turn is all or nothing: its prompt and
+    output are dropped from the session's history, and resending the turn
+    gives what it would have given."""
+    draft, target, make = fakes
+    engine = make()
+    turn1, _, _ = run(engine, prompt_ids=(104,), max_new_tokens=5, session_id="t", gamma_policy="static:2")
+    before = engine.directory.get("t").tokens
+    assert before == [104] + turn1
+    steps = engine.generate(GenerateJob(prompt_ids=(33, 34), max_new_tokens=200, session_id="t",
+                                        gamma_policy="static:2"))
+    next(steps), next(steps)
+    steps.close()  # cancelled mid-turn
+    record = engine.directory.get("t")
+    assert record.tokens == before and record.draft_synced == record.target_synced == 0
+    target.unavailable_always = True  # a turn that fails: the same
+    with pytest.raises(errors.Unavailable):
+        run(engine, prompt_ids=(33, 34), max_new_tokens=5, session_id="t")
+    target.unavailable_always = False
+    assert engine.directory.get("t").tokens == before
+    ids, _, _ = run(engine, prompt_ids=(33, 34), max_new_tokens=3, session_id="t")
+    assert ids == expected_tokens(len(before) + 2, 3)  # as if turn 2 had been sent once
+
+
+def test_a_request_waits_for_a_cancelled_one_on_its_session_to_end(fakes):
+    """'Stop, then send the next message': the cancelled request is still
+    ending in its thread when the next one comes; the next one waits for it
+    instead of being refused. A request still running is refused at once."""
+    import threading
+
+    _, _, make = fakes
+    engine = make()
+    first = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="chat"))
+    next(first)
+    engine.cancelled("chat")  # what the servicer says when the client goes
+    threading.Timer(0.3, first.close).start()  # its cleanup, a moment later
+    started = time.monotonic()
+    ids, _, _ = run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="chat")
+    assert len(ids) == 2 and time.monotonic() - started >= 0.25
 
 
 def test_one_request_per_session_at_a_time(fakes):
     _, _, make = fakes
     engine = make()
-    first = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="busy"))
+    run(engine, prompt_ids=(104,), max_new_tokens=2, session_id="busy")
+    first = engine.generate(GenerateJob(prompt_ids=(105,), max_new_tokens=50, session_id="busy"))
     next(first)
     with pytest.raises(errors.FailedPrecondition, match="already generating"):
         run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="busy")

@@ -117,6 +117,8 @@ def cluster(models, tmp_path_factory):
         procs["C1"] = coordinator("coordinator1", procs["D"], procs["T1"], target, logdir)
         procs["Cs"] = coordinator("coordinator-drained", procs["D"], procs["T"], target, logdir,
                                   "--drain-grace", "30")
+        procs["Cg"] = coordinator("coordinator-short-grace", procs["D"], procs["T"], target, logdir,
+                                  "--drain-grace", "0.1")
         for p in procs.values():
             p.wait_serving()
         yield procs
@@ -343,6 +345,28 @@ def test_sigterm_drains_in_flight_generation(cluster, reference):
     assert stats.finish_reason == "length" and got == greedy_ref(reference, ids, 300)
     assert cs.proc.wait(30) == 0
     assert "received SIGTERM" in cs.log() and "exited cleanly" in cs.log()
+
+
+def test_a_generation_cut_by_the_drain_grace_ends_its_session_in_both_services(cluster):
+    """The grace runs out mid-generation: the client gets an error, and before
+    the coordinator closes its channels the cancelled request ends its session
+    on both services (it would otherwise stay there until their TTL)."""
+    cg = cluster["Cg"]
+    with Client(cg.address, timeout=60) as c:
+        stream = c.generate(prompt_ids=[100, 101, 102], max_new_tokens=CAP, gamma_policy="static:0",
+                            session_id="cut-by-drain")
+        next(stream)
+        cg.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(errors.Unavailable):
+            for _ in stream:
+                pass
+    assert cg.proc.wait(30) == 0
+    log = cg.log()
+    assert "Traceback" not in log and "never retrieved" not in log, log
+    for service, stub in (("D", pb_grpc.DraftServiceStub), ("T", pb_grpc.TargetServiceStub)):
+        with grpc.insecure_channel(cluster[service].address) as ch:
+            held = stub(ch).EndSession(pb.EndSessionRequest(session_id="cut-by-drain"), timeout=10).existed
+        assert not held, f"{service} still holds the session"
 
 
 # ------------------------------------------------------------------ bad input
