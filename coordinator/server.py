@@ -70,6 +70,8 @@ def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
         path = pathlib.Path(config.tokenizer)
         if not path.is_dir():
             raise ValueError(f"--tokenizer {path}: not a directory")
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
         return path
     try:
         from specdec import bundled

@@ -93,6 +93,7 @@ class Client:
         sampling the draft samples from, and sends, its top ``draft_top_k``
         tokens (None: the coordinator's ``--draft-top-k``; 0: all of them).
         Breaking out of the loop cancels the request."""
+        _check_fields(prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
         sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
         if top_p != 1.0:
             sampling.top_p = top_p
@@ -164,3 +165,17 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_UINT32, _UINT64 = 2**32 - 1, 2**64 - 1
+_FIELD_MAX = {"max_new_tokens": _UINT32, "top_k": _UINT32, "seed": _UINT64, "draft_top_k": _UINT32}
+
+
+def _check_fields(prompt_ids, **fields) -> None:
+    """What protobuf would refuse with a bare "Value out of range", named."""
+    for name, value in fields.items():
+        if value is not None and not 0 <= value <= _FIELD_MAX[name]:
+            raise errors.InvalidRequest(f"{name} must be in [0, {_FIELD_MAX[name]}], got {value}")
+    for i, token in enumerate(prompt_ids or ()):
+        if not 0 <= token < 2**31:
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")

@@ -53,7 +53,7 @@ class ModelRunner:
             raise ValueError(f"{self.path} is not a model directory (no config.json)")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.path, dtype=DTYPES[dtype], local_files_only=True
         ).to(self.device)
@@ -107,6 +107,22 @@ class ModelRunner:
 
     def check_tokens(self, tokens: list[int], what: str = "tokens") -> None:
         check_token_ids(tokens, self.vocab_size, what)
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here; ValueError saying why not otherwise
+    (rather than an assertion deep inside the first ``.to()``)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available (torch {torch.__version__}, "
+                             f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return parsed
 
 
 def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:

@@ -434,3 +434,12 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
         assert engine._warm_start(fresh(), hotter).cost() is None
     finally:
         engine.close()
+
+
+def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_path):
+    from coordinator.server import tokenizer_dir
+
+    with pytest.raises(ValueError, match="no tokenizer.json or tokenizer_config.json"):
+        tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path)))
+    with pytest.raises(ValueError, match="not a directory"):
+        tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path / "nope")))

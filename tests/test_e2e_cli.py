@@ -109,3 +109,32 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     assert services == {"specdec-coordinator", "specdec-draft", "specdec-target"}  # flushed at exit
     assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
     assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--local", "--device", "cuda:7", "x"], "device cuda:7: "),
+    (["--local", "--device", "tpu9", "x"], "device 'tpu9' is not a torch device"),
+    (["--coordinator", "127.0.0.1:1", "--gamma", "3", "x"], "--gamma: only with --local"),
+    (["--coordinator", "127.0.0.1:1", "--draft", "d", "--device", "cpu", "x"], "--draft, --device: only with --local"),
+    (["--local", "--stop", "x", "--session", "s", "x"], "--session, --stop: only with --coordinator"),
+    (["--local", "--prompt-ids", "1,2", "x"], "give a PROMPT or --prompt-ids, not both"),
+    (["--coordinator", "127.0.0.1:1", "--max-new-tokens", "-1", "x"], "--max-new-tokens must be >= 0, got -1"),
+    (["--coordinator", "127.0.0.1:1", "--seed", "-5", "x"], "--seed must be >= 0, got -5"),
+    (["--coordinator", "127.0.0.1:1", "--prompt-ids", "99999999999"], "--prompt-ids: 99999999999 is not a token id"),
+])
+def test_generate_flags_say_what_is_wrong(argv, message, capsys):
+    assert main(["generate", *argv]) == 2
+    assert f"specdec generate: error: {message}" in capsys.readouterr().err
+
+
+def test_client_names_a_field_out_of_range_before_calling():
+    from specdec import errors
+    from specdec.client import Client
+
+    with Client("127.0.0.1:1") as client:  # nothing listens: the checks come first
+        for kwargs, words in ((dict(top_k=-1), "top_k must be in [0, 4294967295], got -1"),
+                              (dict(seed=2**64), "seed must be in [0, 18446744073709551615]"),
+                              (dict(prompt_ids=[1, -3]), "prompt_ids[1] = -3 is not a token id")):
+            kwargs.setdefault("prompt_ids", [1])
+            with pytest.raises(errors.InvalidRequest, match=words.replace("[", r"\[").replace("]", r"\]")):
+                next(client.generate(**kwargs))

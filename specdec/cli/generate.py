@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--coordinator", metavar="HOST:PORT", help="ask a running coordinator")
     p.add_argument("--target", default=None, help="target model directory (--local; default: bundled)")
     p.add_argument("--draft", default=None, help="draft model directory (--local; default: bundled, 'none' = target only)")
-    p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round (--local; 0 = target only)")
-    p.add_argument("--device", default="cpu", help="device for the models (--local), e.g. cpu, cuda:0")
+    p.add_argument("--gamma", type=int, default=None, help="drafted tokens per round (--local; default 4, 0 = target only)")
+    p.add_argument("--device", default=None, help="device for the models (--local; default cpu), e.g. cuda:0")
     p.add_argument("--session", default="", metavar="ID",
                    help="(--coordinator) continue the named session: the prompt is appended to its history")
     p.add_argument("--gamma-policy", default="", metavar="POLICY",
@@ -45,16 +45,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_prompt_ids(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    bad = next((t for t in ids if not 0 <= t < 2**31), None)
+    if bad is not None:
+        raise ValueError(f"--prompt-ids: {bad} is not a token id")
+    return ids
+
+
+LOCAL_ONLY = ("target", "draft", "gamma", "device")  # a coordinator's services have their own
+REMOTE_ONLY = ("session", "gamma_policy", "stop")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.prompt is None and args.prompt_ids is None:
         raise ValueError("give a PROMPT or --prompt-ids")
-    if args.draft_top_k is not None and args.draft_top_k < 0:
-        raise ValueError(f"--draft-top-k must be >= 0, got {args.draft_top_k}")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("give a PROMPT or --prompt-ids, not both")
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 0),
+                             ("--seed", args.seed, 0), ("--draft-top-k", args.draft_top_k, 0),
+                             ("--gamma", args.gamma, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    unused = [name for name in (LOCAL_ONLY if args.coordinator else REMOTE_ONLY) if getattr(args, name)]
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise ValueError(f"{flags}: only with {'--local' if args.coordinator else '--coordinator'}")
     if args.coordinator:
         return _run_remote(args)
     return _run_local(args)
@@ -71,7 +88,7 @@ def _run_local(args: argparse.Namespace) -> int:
         draft = draft or bundled.draft_path()
     if str(draft).lower() == "none":
         draft = None
-    dec = SpeculativeDecoder(target=target, draft=draft, device=args.device)
+    dec = SpeculativeDecoder(target=target, draft=draft, device=args.device or "cpu")
     if args.prompt_ids is not None:
         prompt_ids = parse_prompt_ids(args.prompt_ids)
     elif dec.tokenizer is None:
@@ -82,7 +99,8 @@ def _run_local(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
     top_k = {} if args.draft_top_k is None else {"draft_top_k": args.draft_top_k}
-    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=args.gamma, **top_k)
+    gamma = 4 if args.gamma is None else args.gamma
+    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=gamma, **top_k)
     if args.json:
         record = {
             "token_ids": out.token_ids,
