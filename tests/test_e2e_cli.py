@@ -134,7 +134,7 @@ def test_client_names_a_field_out_of_range_before_calling():
     with Client("127.0.0.1:1") as client:  # nothing listens: the checks come first
         for kwargs, words in ((dict(top_k=-1), "top_k must be in [0, 4294967295], got -1"),
                               (dict(seed=2**64), "seed must be in [0, 18446744073709551615]"),
-                              (dict(prompt_ids=[1, -3]), "prompt_ids[1] = -3 is not a token id")):
+                              (dict(prompt_ids=[1, 2**31]), "prompt_ids[1] = 2147483648 is not a token id")):
             kwargs.setdefault("prompt_ids", [1])
             with pytest.raises(errors.InvalidRequest, match=words.replace("[", r"\[").replace("]", r"\]")):
                 next(client.generate(**kwargs))
