@@ -105,9 +105,10 @@ class Coordinator:
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
         self._pair: PairInfo | None = None
-        # Sessions with a request in progress -> whether it is closing (cancelled,
-        # its cleanup under way); _released is notified when one ends.
-        self._busy: dict[str, bool] = {}
+        # Sessions with a request in progress -> that request's cancellation
+        # event (set: its client has gone, its cleanup is under way);
+        # _released is notified when one ends.
+        self._busy: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime(), least recent first
@@ -168,7 +169,7 @@ class Coordinator:
         """Forget a named session and free its state in both services."""
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
-        self._claim(session_id)  # no Generate may start on it meanwhile
+        self._claim(session_id)  # no Generate may start on it meanwhile (never False: nothing cancels it)
         try:
             if self.directory.get(session_id) is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
@@ -179,33 +180,32 @@ class Coordinator:
         finally:
             self._release(session_id)
 
-    def _claim(self, session_id: str) -> None:
-        """One request per session at a time. A request that was cancelled but is
-        still ending (its round in flight, EndSession on both services) is waited
-        for, up to ``CLOSING_WAIT_S``: "stop, then send the next message" is how
-        chat clients work, and they cannot know when the cleanup is over."""
+    def _claim(self, session_id: str, cancelled: threading.Event | None = None) -> bool:
+        """One request per session at a time. A request whose client has gone
+        (its ``cancelled`` event set) but which is still ending (its round in
+        flight, EndSession on both services) is waited for, up to
+        ``CLOSING_WAIT_S``: "stop, then send the next message" is how chat
+        clients work, and they cannot know when the cleanup is over. False: this
+        request was itself cancelled before it got the session (nothing to do)."""
+        cancelled = cancelled or threading.Event()
         with self._released:
             deadline = time.monotonic() + CLOSING_WAIT_S
-            while session_id in self._busy:
+            while session_id in self._busy and not cancelled.is_set():
                 remaining = deadline - time.monotonic()
-                if not self._busy[session_id] or remaining <= 0:
+                if not self._busy[session_id].is_set() or remaining <= 0:
                     raise errors.FailedPrecondition(
                         f"session {session_id!r} is already generating: one request per session at a time"
                     )
-                self._released.wait(remaining)
-            self._busy[session_id] = False
+                self._released.wait(min(remaining, 0.5))  # also notice our own cancellation
+            if cancelled.is_set():
+                return False
+            self._busy[session_id] = cancelled
+            return True
 
     def _release(self, session_id: str) -> None:
         with self._released:
             self._busy.pop(session_id, None)
             self._released.notify_all()
-
-    def cancelled(self, session_id: str) -> None:
-        """The client of ``session_id``'s request has gone: the next request on
-        the session may wait for its cleanup instead of being refused."""
-        with self._lock:
-            if session_id in self._busy:
-                self._busy[session_id] = True
 
     # ------------------------------------------------------------- generate
 
@@ -243,10 +243,16 @@ class Coordinator:
             raise errors.InvalidRequest(str(e)) from None
         return ids, policy
 
-    def generate(self, job: GenerateJob) -> Iterator[Delta | GenerationStats]:
+    def generate(self, job: GenerateJob, cancelled: threading.Event | None = None
+                 ) -> Iterator[Delta | GenerationStats]:
         """Stream one completion: a Delta per round as soon as it commits, then
         Stats. Named sessions continue their history; one-shot sessions are freed
-        at the end. Closing the generator early frees the services' state."""
+        at the end. Closing the generator early frees the services' state.
+
+        ``cancelled``, set by the caller once its client has gone: no round
+        starts after it (a step queued behind others ends at once), and the
+        next request on the session waits for this one to end."""
+        cancelled = cancelled or threading.Event()
         started = time.perf_counter()
         pair = self.pair()
         prompt_ids, policy = self.validate(job, pair)
@@ -255,7 +261,8 @@ class Coordinator:
         policy = self._warm_start(policy, job)
         named = bool(job.session_id)
         sid = job.session_id or f"oneshot-{uuid.uuid4().hex}"
-        self._claim(sid)
+        if not self._claim(sid, cancelled):
+            return
         try:
             record = self.directory.get(sid) if named else None
             existed = record is not None
@@ -273,7 +280,8 @@ class Coordinator:
                 )
             params = job.sampling.with_seed()
             state = SessionState(tokens=tokens, draft_synced=record.draft_synced, target_synced=record.target_synced)
-            events = self._run(job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started)
+            events = self._run(job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started,
+                               cancelled)
             yield from observe_generation(
                 events, metrics=self.metrics, model=pair.target_name, max_tokens=job.max_new_tokens,
                 temperature=params.temperature, input_tokens=len(prompt_ids), conversation_id=sid,
@@ -283,7 +291,7 @@ class Coordinator:
         finally:
             self._release(sid)
 
-    def _run(self, job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started):
+    def _run(self, job, sid, named, existed, record, state, prompt_ids, params, policy, pair, started, cancelled):
         """The rounds of one turn. A turn is all or nothing for the session's
         history: one that does not finish (the client cancelled, a service
         failed) leaves it as it was before the turn, its prompt included. What
@@ -320,6 +328,8 @@ class Coordinator:
                     finish = "stop"
                 if kept or delta:
                     yield Delta(kept, delta)
+                if cancelled.is_set():  # the client has gone (this step may have queued behind others)
+                    return  # no more rounds; the turn did not finish
                 if finish == "stop":
                     break
                 finish = result.finish_reason or finish

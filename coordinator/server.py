@@ -66,11 +66,13 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
     """``--tokenizer``, else the bundled target model's directory when it ships a
     tokenizer, else None."""
+    from specdec.model_runner import has_tokenizer
+
     if config.tokenizer:
         path = pathlib.Path(config.tokenizer)
         if not path.is_dir():
             raise ValueError(f"--tokenizer {path}: not a directory")
-        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        if not has_tokenizer(path):
             raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
         return path
     try:
@@ -78,7 +80,7 @@ def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
     except ImportError:
         return None
     path = bundled.target_path()
-    return path if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+    return path if has_tokenizer(path) else None
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ class RunningCoordinator:
     executor: concurrent.futures.ThreadPoolExecutor
     port: int
     telemetry: ServiceTelemetry | None = None
+    servicer: "object" = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
@@ -101,17 +104,19 @@ class RunningCoordinator:
             self.telemetry.close()
 
     async def finish_work(self) -> None:
-        """After the server has stopped: let the rounds' threads finish what they
-        hold, above all the cleanup of requests the drain cancelled (EndSession
-        on both services), then close the channels. Bounded: a step waits for a
-        service at most the call timeout, each EndSession the info timeout."""
-        cfg = self.engine.config
-        limit = cfg.call_timeout_s + 2 * cfg.info_timeout_s
-        waiting = asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiting), limit)
-        except asyncio.TimeoutError:
-            log.warning("requests still running %.0f s after the drain: closing their channels", limit)
+        """After the server has stopped: give the requests it cut short up to the
+        info timeout to end their sessions in both services (a step queued for
+        one ends at once; a step in flight finishes its round), then stop the
+        rounds' threads and close the channels."""
+        for _ in range(10):  # the cancelled calls' handlers schedule their cleanups on this loop
+            await asyncio.sleep(0.01)
+        pending = set(self.servicer.cleanups) if self.servicer is not None else set()
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.engine.config.info_timeout_s)
+            if late:
+                log.warning("%d cancelled requests still ending after %.0f s: closing their channels",
+                            len(late), self.engine.config.info_timeout_s)
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
 
@@ -130,12 +135,18 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         log.warning("no tokenizer (give --tokenizer DIR): only prompt_ids requests work, deltas carry no text")
     if telemetry is not None:  # first: a busy metrics port fails before anything listens
         telemetry.serve_metrics(config.host)
-    engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None,
-                         metrics=telemetry.metrics if telemetry else None)
+    try:
+        engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None,
+                             metrics=telemetry.metrics if telemetry else None)
+    except BaseException:
+        if telemetry is not None:
+            telemetry.close()
+        raise
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         interceptors=telemetry.server_interceptors() if telemetry else ())
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(engine, executor), server.server)
+    servicer = CoordinatorServicer(engine, executor)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
         port = await bind_or_close(server, config.host, config.port, telemetry)
     except OSError:
@@ -152,7 +163,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
 
     # In the background: the services may still be loading their models.
     asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
-    return RunningCoordinator(server, engine, executor, port, telemetry)
+    return RunningCoordinator(server, engine, executor, port, telemetry, servicer)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
+import threading
 
 from specdec import proto_convert as conv
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
@@ -50,11 +51,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor):
         self.engine = engine
         self.executor = executor
+        self.cleanups: set[asyncio.Future] = set()  # of requests that ended early, still running
 
     async def Generate(self, request, context):
         job = job_from_proto(request)
         loop = asyncio.get_running_loop()
-        steps = self.engine.generate(job)
+        gone = threading.Event()  # set when the client has gone
+        steps = self.engine.generate(job, gone)
         # Every step runs in this call's context, so the round loop's spans are
         # children of this call's server span (a worker thread has its own context).
         context = contextvars.copy_context()
@@ -70,12 +73,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return
                 yield event_to_proto(event)
         except (asyncio.CancelledError, GeneratorExit):  # the client has gone
-            if job.session_id:
-                self.engine.cancelled(job.session_id)  # its next request may wait for the cleanup below
+            gone.set()  # no round starts for it now; its session's next request waits for the cleanup
             raise
         finally:
             if not finished:  # cancelled, or the stream failed: free the services' state
                 cleanup = loop.run_in_executor(self.executor, _close_after, step, steps, context)
+                self.cleanups.add(cleanup)
+                cleanup.add_done_callback(self.cleanups.discard)
                 try:
                     await asyncio.shield(cleanup)
                 except asyncio.CancelledError:

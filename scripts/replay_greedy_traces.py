@@ -58,17 +58,22 @@ def record(n_prompts: int, new_tokens: int, lookahead: int, seed: int = 0) -> li
     tokenizer = AutoTokenizer.from_pretrained(bundled.target_path())
     load = functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32, local_files_only=True)
     target, draft = load(bundled.target_path()).eval(), load(bundled.draft_path()).eval()
+    # min_new_tokens: an end-of-text token must not cut a continuation (or a
+    # draft) short of the positions replayed.
     greedy = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
     traces = []
     with torch.no_grad():
         for n, prompt in enumerate(make_prompts(held_out_streams(tokenizer), n_prompts, PROMPT_TOKENS,
                                                 new_tokens + lookahead, seed)):
-            out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens + lookahead, **greedy)[0].tolist()
+            length = new_tokens + lookahead
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length,
+                                  **greedy)[0].tolist()
             made = out[len(prompt):]
             match, confidence = [], []
             for i in range(new_tokens):
                 run = draft.generate(torch.tensor([out[:len(prompt) + i]]), max_new_tokens=lookahead,
-                                     output_scores=True, return_dict_in_generate=True, **greedy)
+                                     min_new_tokens=lookahead, output_scores=True, return_dict_in_generate=True,
+                                     **greedy)
                 drafts = run.sequences[0, len(prompt) + i:].tolist()
                 m = 0
                 while m < len(drafts) and drafts[m] == made[i + m]:

@@ -93,6 +93,7 @@ class Client:
         sampling the draft samples from, and sends, its top ``draft_top_k``
         tokens (None: the coordinator's ``--draft-top-k``; 0: all of them).
         Breaking out of the loop cancels the request."""
+        prompt_ids = list(prompt_ids or ())  # once: an iterator would be used up by the check
         _check_fields(prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
         sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
         if top_p != 1.0:
@@ -100,7 +101,7 @@ class Client:
         if seed is not None:
             sampling.seed = seed
         request = pb.GenerateRequest(
-            session_id=session_id, prompt=prompt or "", prompt_ids=list(prompt_ids or ()),
+            session_id=session_id, prompt=prompt or "", prompt_ids=prompt_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
             stop=[stop] if isinstance(stop, str) else list(stop), draft_top_k=draft_top_k,
         )  # draft_top_k=None leaves the optional field unset

@@ -316,28 +316,32 @@ class AdaptiveGamma:
             if slope is not None:
                 self._verify_slope = slope
         if g:
-            draft_per_token = self._draft_per_token
+            per_token, fixed = self._draft_per_token, self._draft_fixed
+            gap = None
             if g >= 2 and result.draft_first_s is not None:
                 # Gaps between streamed drafts: per-token cost even after a catch-up.
-                draft_per_token.add((result.draft_s - result.draft_first_s) / (g - 1))
-            elif draft_per_token.value is None:
-                draft_per_token.add(result.draft_s / g)
-            elif result.draft_caught_up:
-                # No gap to time. After idle rounds (a probe) the draft did this
-                # call's work now, and the call as a whole bounds what a draft
-                # costs: a draft that got faster while idle is noticed at once.
-                # (Not in other rounds: a draft made ahead during the last
-                # verification arrives at once and would look free.)
-                draft_per_token.cap(result.draft_s / g)
-            fixed = max(0.0, result.draft_s - draft_per_token.value * g)
+                gap = (result.draft_s - result.draft_first_s) / (g - 1)
+                per_token.add(gap)
+            elif per_token.value is None:
+                per_token.add(result.draft_s / g)
+            this_token = per_token.value if gap is None else gap
             if not result.draft_caught_up:
-                self._draft_fixed.add(fixed)
-            else:
-                # A catch-up call did more than a round's work, so it bounds the
-                # fixed part from above only; the bound undoes at once what a
-                # slow spell (a cold start, a busy machine) taught, which no
-                # drafting round would otherwise correct while the draft idles.
-                self._draft_fixed.cap(fixed)
+                fixed.add(max(0.0, result.draft_s - this_token * g))
+            elif fixed.value is not None:
+                # A catch-up call (after idle rounds: a probe) did more than a
+                # round's work, so it bounds what a round's drafts cost,
+                # fixed + per-token·γ, from above. That undoes at once what a slow
+                # spell (a cold start, a busy machine) taught, which no drafting
+                # round corrects while the draft idles. (Not in other rounds: a
+                # draft made ahead during the last verification arrives at once
+                # and would look free.)
+                if gap is not None:  # per-token measured now: the rest bounds the fixed part
+                    fixed.cap(max(0.0, result.draft_s - gap * g))
+                else:  # one draft cannot tell which part is off: both shrink alike
+                    predicted = fixed.value + per_token.value * g
+                    if predicted > result.draft_s:
+                        fixed.scale(result.draft_s / predicted)
+                        per_token.scale(result.draft_s / predicted)
 
 
 @dataclasses.dataclass
@@ -360,6 +364,9 @@ class _DecayingMean:
         """Lower the mean to ``x`` if it is above (its weight stays)."""
         if self.w and self.total > x * self.w:
             self.total = x * self.w
+
+    def scale(self, factor: float) -> None:
+        self.total *= factor
 
     @property
     def value(self) -> float | None:

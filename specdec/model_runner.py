@@ -146,9 +146,13 @@ def check_same_vocabulary(draft: str, draft_size: int, draft_fingerprint: str,
         )
 
 
+def has_tokenizer(path: pathlib.Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_tokenizer(path: pathlib.Path):
     """The model directory's tokenizer, or None when it ships none."""
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 

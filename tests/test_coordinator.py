@@ -296,13 +296,42 @@ def test_a_request_waits_for_a_cancelled_one_on_its_session_to_end(fakes):
 
     _, _, make = fakes
     engine = make()
-    first = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="chat"))
+    run(engine, prompt_ids=(104,), max_new_tokens=2, session_id="chat")
+    gone = threading.Event()
+    first = engine.generate(GenerateJob(prompt_ids=(105,), max_new_tokens=50, session_id="chat"), gone)
     next(first)
-    engine.cancelled("chat")  # what the servicer says when the client goes
+    with pytest.raises(errors.FailedPrecondition, match="already generating"):
+        run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="chat")  # still running: at once
+    gone.set()  # what the servicer does when the client goes
     threading.Timer(0.3, first.close).start()  # its cleanup, a moment later
     started = time.monotonic()
     ids, _, _ = run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="chat")
     assert len(ids) == 2 and time.monotonic() - started >= 0.25
+
+
+def test_a_cancelled_request_runs_no_more_rounds_and_marks_no_other(fakes):
+    """A step of a request whose client has gone (queued behind others) ends
+    at once without a round; a request cancelled before it got its session
+    does nothing and leaves the request that holds it as it is."""
+    import threading
+
+    draft, target, make = fakes
+    engine = make()
+    gone = threading.Event()
+    a = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="s",
+                                    gamma_policy="static:2"), gone)
+    next(a)
+    b_gone = threading.Event()
+    b_gone.set()
+    assert list(engine.generate(GenerateJob(prompt_ids=(1,), max_new_tokens=2, session_id="s"), b_gone)) == []
+    started = time.monotonic()
+    with pytest.raises(errors.FailedPrecondition):  # A still runs: refused at once, not after a wait
+        run(engine, prompt_ids=(1,), max_new_tokens=2, session_id="s")
+    assert time.monotonic() - started < 1
+    calls = len(target.calls)
+    gone.set()
+    assert list(a) == []  # the next step: no round, no delta, no stats
+    assert len(target.calls) == calls and "s" in target.ended
 
 
 def test_one_request_per_session_at_a_time(fakes):

@@ -313,6 +313,19 @@ def test_client_cancellation_frees_state_in_both_services(cluster, client, refer
               and cluster["T"].model_info("target").active_sessions == t0)
 
 
+def test_stop_then_send_the_next_message(client, reference):
+    """A chat client cancels a turn and at once sends the next one on the same
+    session: it is served (the coordinator waits for the cancelled turn to end),
+    and the cancelled turn is not in the history."""
+    p1, p2, p3 = prompt_ids(reference), [100, 101], [102, 103]
+    out1 = client.complete(prompt_ids=p1, max_new_tokens=8, session_id="stop-then-send").token_ids
+    stream = client.generate(prompt_ids=p2, max_new_tokens=CAP - 100, session_id="stop-then-send")
+    next(stream), next(stream)
+    stream.close()  # "stop generating"
+    out3 = client.complete(prompt_ids=p3, max_new_tokens=8, session_id="stop-then-send").token_ids
+    assert out3 == greedy_ref(reference, p1 + out1 + p3, 8)
+
+
 def test_killed_target_gives_a_clear_error_not_a_hang(cluster):
     """Kills T1 (the eviction test is done with it) while C1 streams from it."""
     t1 = cluster["T1"]

@@ -114,7 +114,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--local", "--device", "cuda:7", "x"], "device cuda:7: "),
     (["--local", "--device", "tpu9", "x"], "device 'tpu9' is not a torch device"),
-    (["--coordinator", "127.0.0.1:1", "--gamma", "3", "x"], "--gamma: only with --local"),
+    (["--coordinator", "127.0.0.1:1", "--gamma", "0", "x"], "--gamma: only with --local"),
     (["--coordinator", "127.0.0.1:1", "--draft", "d", "--device", "cpu", "x"], "--draft, --device: only with --local"),
     (["--local", "--stop", "x", "--session", "s", "x"], "--session, --stop: only with --coordinator"),
     (["--local", "--prompt-ids", "1,2", "x"], "give a PROMPT or --prompt-ids, not both"),
@@ -138,3 +138,18 @@ def test_client_names_a_field_out_of_range_before_calling():
             kwargs.setdefault("prompt_ids", [1])
             with pytest.raises(errors.InvalidRequest, match=words.replace("[", r"\[").replace("]", r"\]")):
                 next(client.generate(**kwargs))
+    request = {}
+
+    class Call(list):  # an empty stream
+        def cancel(self):
+            pass
+
+    class Stub:  # what reaches the wire
+        def Generate(self, req, timeout=None):
+            request["ids"] = list(req.prompt_ids)
+            return Call()
+
+    with Client("127.0.0.1:1") as client:
+        client._stub = Stub()
+        list(client.generate(prompt_ids=iter([5, 6, 7])))  # an iterator is read once
+    assert request["ids"] == [5, 6, 7]

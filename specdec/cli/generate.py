@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
                              ("--gamma", args.gamma, 0)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
-    unused = [name for name in (LOCAL_ONLY if args.coordinator else REMOTE_ONLY) if getattr(args, name)]
+    unused = ([name for name in LOCAL_ONLY if getattr(args, name) is not None] if args.coordinator
+              else [name for name in REMOTE_ONLY if getattr(args, name)])
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
         raise ValueError(f"{flags}: only with {'--local' if args.coordinator else '--coordinator'}")
