@@ -153,3 +153,11 @@ def test_client_names_a_field_out_of_range_before_calling():
         client._stub = Stub()
         list(client.generate(prompt_ids=iter([5, 6, 7])))  # an iterator is read once
     assert request["ids"] == [5, 6, 7]
+
+
+def test_an_unknown_flag_shows_the_sub_command_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--bogus", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: specdec generate") and "unrecognized arguments: --bogus" in err

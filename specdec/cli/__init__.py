@@ -41,6 +41,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if only is None or name == only:  # import just the module that will run
             importlib.import_module(module).add_arguments(p)
+            parser.set_defaults(**{f"_parser_{name}": p})
     return parser
 
 
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only=command)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # with the sub-command's own usage, not the top level's
+        getattr(args, f"_parser_{args.command}", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
