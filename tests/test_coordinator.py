@@ -255,7 +255,7 @@ def test_cancelling_ends_the_session_in_both_services(fakes):
     engine = make()
     steps = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=200, session_id="c",
                                         gamma_policy="static:2"))
-    first, _second = next(steps), next(steps)
+    next(steps), next(steps)
     assert "c" in draft.sessions and "c" in target.sessions
     steps.close()  # the client left before the second round's delta was sent
     assert "c" in draft.ended and "c" in target.ended
