@@ -177,6 +177,6 @@ def _check_fields(prompt_ids, **fields) -> None:
     for name, value in fields.items():
         if value is not None and not 0 <= value <= _FIELD_MAX[name]:
             raise errors.InvalidRequest(f"{name} must be in [0, {_FIELD_MAX[name]}], got {value}")
-    for i, token in enumerate(prompt_ids or ()):
+    for i, token in enumerate(prompt_ids):
         if not -(2**31) <= token < 2**31:  # int32 on the wire; the coordinator checks the vocabulary
             raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")

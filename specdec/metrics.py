@@ -116,7 +116,7 @@ class CoordinatorMetrics(RpcMetrics):
         self.bytes.labels(side, "out").inc(bytes_out)
         self.bytes.labels(side, "in").inc(bytes_in)
 
-    def observe_delivered(self, tokens: int) -> None:
+    def observe_streamed(self, tokens: int) -> None:
         """Tokens streamed to a client (a round's tokens past a stop string are not)."""
         self.generated_tokens.inc(tokens)
 

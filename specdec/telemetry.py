@@ -299,9 +299,9 @@ def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, 
             model=model, max_tokens=max_tokens, temperature=temperature, input_tokens=input_tokens,
             conversation_id=conversation_id, extra=extra) as span:
         for event in events:
-            delivered = getattr(event, "token_ids", None)  # a Delta: what the client gets
-            if delivered is not None and metrics is not None:
-                metrics.observe_delivered(len(delivered))
+            streamed = getattr(event, "token_ids", None)  # a Delta: tokens streamed to the client
+            if streamed is not None and metrics is not None:
+                metrics.observe_streamed(len(streamed))
             generated = getattr(event, "generated_tokens", None)
             if generated is not None:
                 finish = getattr(event, "finish_reason", "") or "length"

@@ -94,8 +94,7 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
     if not raw:
         # The SDK's own default is "otlp" always; here an endpoint must say so, so
         # that a bare service sends nothing anywhere (and costs nothing).
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        return ["otlp"] if endpoint else []
+        return ["otlp"] if _otlp_endpoint(environ) else []
     names = [n.strip() for n in raw.split(",") if n.strip() and n.strip() != "none"]
     for name in names:
         if name not in SUPPORTED_EXPORTERS:
@@ -104,20 +103,26 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
     return [n for n in names if n in SUPPORTED_EXPORTERS]
 
 
-def _otlp_protocol(environ: Mapping[str, str]) -> str:
+def _otlp_endpoint(environ: Mapping[str, str]) -> str | None:
+    return environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def _otlp_protocol(environ: Mapping[str, str], warn: bool = True) -> str:
     protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "grpc").strip().lower()
     if protocol not in ("grpc", "http/protobuf"):
-        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s is not supported (use grpc or http/protobuf); using grpc",
-                    protocol)
+        if warn:
+            log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s is not supported (use grpc or http/protobuf); using grpc",
+                        protocol)
         return "grpc"
     return protocol
 
 
 def _otlp_description(environ: Mapping[str, str]) -> str:
-    """What the startup log says of the OTLP exporter: protocol and endpoint."""
-    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return f"otlp ({_otlp_protocol(environ)}, {endpoint or 'the default endpoint on localhost'})"
+    """What the startup log says of the OTLP exporter (already made, and warned
+    about): protocol and endpoint."""
+    endpoint = _otlp_endpoint(environ) or "the default endpoint on localhost"
+    return f"otlp ({_otlp_protocol(environ, warn=False)}, {endpoint})"
 
 
 def _otlp_exporter(environ: Mapping[str, str]):
