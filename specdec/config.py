@@ -128,6 +128,7 @@ class ServiceConfig:
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight calls may take to finish
     log_level: str = "INFO"
     draft_ahead: bool = True  # draft service: draft the next round while the target verifies
+    lean_forward: bool = True  # draft service: a Llama draft runs through specdec.lean_llama
 
     def __post_init__(self) -> None:
         if self.role not in ("draft", "target"):

@@ -55,10 +55,10 @@ def check_pair(target: ModelRunner, draft: ModelRunner) -> None:
                           f"target {target.path}", target.vocab_size, target.fingerprint)
 
 
-def _runner(model, device: str, dtype: str) -> ModelRunner:
+def _runner(model, device: str, dtype: str, lean: bool = False) -> ModelRunner:
     """A path is loaded; anything else is taken to be a ready runner."""
     if isinstance(model, (str, os.PathLike)):
-        return ModelRunner(model, device, dtype)
+        return ModelRunner(model, device, dtype, lean=lean)
     return model
 
 
@@ -67,6 +67,9 @@ class SpeculativeDecoder:
 
     >>> dec = SpeculativeDecoder(target="path/to/target", draft="path/to/draft")
     >>> out = dec.generate(prompt_ids, max_new_tokens=64, gamma=4)
+
+    A draft loaded from a path runs through specdec.lean_llama when it can
+    (``lean_draft=False``: Hugging Face's forward); the target never does.
     """
 
     def __init__(
@@ -77,11 +80,12 @@ class SpeculativeDecoder:
         device: str = "cpu",
         draft_device: str | None = None,
         dtype: str = "float32",
+        lean_draft: bool = True,
     ):
         self.target = _runner(target, device, dtype)
         self.draft = None
-        if draft is not None:
-            self.draft = _runner(draft, draft_device or device, dtype)
+        if draft is not None:  # the draft's forward may be the lean one: its numerics never change the output
+            self.draft = _runner(draft, draft_device or device, dtype, lean=lean_draft)
             check_pair(self.target, self.draft)
 
     @property

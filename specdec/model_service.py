@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import pathlib
 import time
@@ -55,7 +56,6 @@ class ModelHost:
         self.draining = False
         self.metrics: ServiceMetrics | None = None  # what the servicers count beyond the RPCs
         self._sweeper: asyncio.Future | None = None
-        self._computed_tokens = 0  # tokens through the model; touched on the worker thread only
         # Calls' jobs handed to the executor (background work yields to them);
         # written on the event loop thread, read on the worker.
         self._calls_submitted = 0
@@ -67,10 +67,10 @@ class ModelHost:
         checks meanwhile), then open the session store."""
         if runner is None:
             cfg = self.config
+            lean = cfg.role == "draft" and cfg.lean_forward
             runner = await asyncio.get_running_loop().run_in_executor(
-                self.executor, ModelRunner, cfg.model_path(), cfg.device, cfg.dtype
+                self.executor, functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=lean)
             )
-        runner.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self.sessions = SessionStore(
             runner.new_sequence,
             max_sessions=self.config.max_sessions,
@@ -87,11 +87,6 @@ class ModelHost:
         while True:
             await asyncio.sleep(period)
             self.sessions.sweep()
-
-    def _count_tokens(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
-            self._computed_tokens += int(ids.shape[-1])
 
     def close(self) -> None:
         self.draining = True  # background work stops at its next step
@@ -129,14 +124,17 @@ class ModelHost:
         """``fn(*args)`` on the worker thread; adds its compute time (copies
         excluded) and the tokens it ran through the model to ``timing``."""
         start = time.perf_counter()
-        copy_before, tokens_before = timing.copy_s, self._computed_tokens
+        copy_before, tokens_before = timing.copy_s, self._tokens_run()
         try:
             return fn(*args)
         finally:
             self._synchronize()
             elapsed = time.perf_counter() - start
             timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
-            timing.computed_tokens += self._computed_tokens - tokens_before
+            timing.computed_tokens += self._tokens_run() - tokens_before
+
+    def _tokens_run(self) -> int:
+        return self.runner.tokens_run if self.runner is not None else 0
 
     def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args, timing, stop)`` on the model's executor, for work no
@@ -302,6 +300,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "draft":
         add("--draft-ahead", "draft_ahead", "while the target verifies, draft the next round as if all drafts "
             "are accepted (reused when they are; the output never changes)", action=argparse.BooleanOptionalAction)
+        add("--lean-forward", "lean_forward", "run a Llama-architecture draft through specdec's lean forward pass "
+            "instead of Hugging Face's (same weights, less Python per token; the output never changes)",
+            action=argparse.BooleanOptionalAction)
     add_telemetry_arguments(parser, role)
 
 

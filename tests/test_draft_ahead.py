@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import types
 import time
 
 import grpc
@@ -35,7 +36,7 @@ NEVER = lambda: False  # noqa: E731 -- a stop() that never asks to stop
 
 @pytest.fixture(scope="module")
 def draft(tiny_pair):
-    return ModelRunner(tiny_pair[1])
+    return ModelRunner(tiny_pair[1], lean=True)  # as the draft service runs it
 
 
 class CountForwards:
@@ -239,10 +240,11 @@ def test_background_work_counts_in_the_service_metrics():
     async def main():
         host = ModelHost(ServiceConfig(role="draft", port=0))
         host.metrics = ServiceMetrics("draft")
+        host.runner = types.SimpleNamespace(tokens_run=0, device=torch.device("cpu"))
         done = threading.Event()
 
         def background(timing, stop):
-            host._computed_tokens += 7  # what the model's forward hook counts
+            host.runner.tokens_run += 7  # what ModelRunner.logits counts
             time.sleep(0.02)
             done.set()
 

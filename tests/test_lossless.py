@@ -75,7 +75,7 @@ def memo_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("lossless")
     target = make_tiny_llama(root / "t", vocab_size=V, layers=1, seed=3, logit_scale=3)
     draft = make_noisy_copy(target, root / "d", noise=0.6, seed=4)
-    return MemoRunner(ModelRunner(target)), MemoRunner(ModelRunner(draft))
+    return MemoRunner(ModelRunner(target)), MemoRunner(ModelRunner(draft, lean=True))
 
 
 def exact_distribution(target: MemoRunner, params: SamplingParams) -> torch.Tensor:

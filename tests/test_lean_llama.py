@@ -1,0 +1,112 @@
+"""specdec.lean_llama runs a Llama draft as Hugging Face's forward does.
+
+Its numerics cannot change the output (the target judges the draft by the q it
+sampled from), but a draft that computed something else would lose acceptance;
+so its logits are held to Hugging Face's, through the same cache operations the
+decoder uses: prefill, one token at a time, several at once, rollback, growth."""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec import bundled, kv_cache
+from specdec.config import ServiceConfig
+from specdec.lean_llama import LeanCache, LeanLlama, unsupported_reason
+from specdec.model_runner import ModelRunner
+from specdec.model_service import ModelHost
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=600)
+    config.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def run_both(hf, lean, hf_cache, lean_cache, ids, keep):
+    hf_logits = kv_cache.forward(hf, torch.tensor([ids]), hf_cache, keep)
+    lean_logits = kv_cache.forward(lean, torch.tensor([ids]), lean_cache, keep)
+    torch.testing.assert_close(lean_logits, hf_logits, rtol=1e-5, atol=1e-5)
+    assert kv_cache.cache_length(lean_cache) == kv_cache.cache_length(hf_cache)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 4}, {"tie_word_embeddings": True},
+                                       {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 10000.0}}],
+                         ids=["gqa", "mha", "tied", "linear-rope"])
+def test_logits_match_hugging_face_through_the_decoders_cache_operations(overrides):
+    hf = tiny_llama(**overrides)
+    lean = LeanLlama(hf)
+    hf_cache, lean_cache = kv_cache.new_cache(hf), kv_cache.new_cache(lean)
+    assert isinstance(lean_cache, LeanCache)
+    tokens = torch.randint(0, 64, (520,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        run_both(hf, lean, hf_cache, lean_cache, tokens[:20], 20)  # prefill, every position
+        for t in tokens[20:25]:  # drafting: one token at a time
+            run_both(hf, lean, hf_cache, lean_cache, [t], 1)
+        run_both(hf, lean, hf_cache, lean_cache, tokens[25:30], 5)  # verifying several at once
+        for cache in (hf_cache, lean_cache):  # two rejected: roll back, then run other tokens
+            kv_cache.crop_cache(cache, 28)
+        run_both(hf, lean, hf_cache, lean_cache, [7, 9], 2)
+        # past the initial capacity (256 positions): the cache grows, keeping what it held
+        run_both(hf, lean, hf_cache, lean_cache, tokens[30:500], 3)
+        run_both(hf, lean, hf_cache, lean_cache, [11], 1)
+    assert lean_cache.keys.shape[2] >= 501
+
+
+def test_the_bundled_draft_runs_lean_and_matches():
+    hf = ModelRunner(bundled.draft_path())
+    lean = ModelRunner(bundled.draft_path(), lean=True)
+    assert lean.lean and not hf.lean
+    a, b = hf.new_sequence(), lean.new_sequence()
+    for seq in (a, b):
+        seq.tokens.extend(range(5, 45))
+    torch.testing.assert_close(lean.logits(b, last=3), hf.logits(a, last=3), rtol=1e-5, atol=1e-5)
+    assert lean.tokens_run == hf.tokens_run == 40
+    lean.rollback(b, 30)
+    hf.rollback(a, 30)
+    for seq in (a, b):
+        seq.tokens.append(17)
+    torch.testing.assert_close(lean.logits(b), hf.logits(a), rtol=1e-5, atol=1e-5)
+    assert b.cache_length == a.cache_length == 31
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"attention_bias": True}, "biases"),
+    ({"mlp_bias": True}, "biases"),
+    ({"hidden_act": "gelu"}, "activation"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "sequence length"),
+])
+def test_models_it_cannot_run_exactly_are_refused_with_the_reason(overrides, reason):
+    model = tiny_llama(**overrides)
+    assert reason in unsupported_reason(model)
+    with pytest.raises(ValueError, match=reason):
+        LeanLlama(model)
+
+
+def test_a_runner_asked_for_lean_keeps_hugging_face_when_it_cannot(tmp_path, caplog):
+    tiny_llama(attention_bias=True).save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="specdec.model_runner"):
+        runner = ModelRunner(tmp_path, lean=True)
+    assert not runner.lean
+    assert "attention or MLP biases" in caplog.text
+    seq = runner.new_sequence()
+    seq.tokens.extend([1, 2, 3])
+    assert runner.logits(seq).shape == (1, 64)
+
+
+@pytest.mark.parametrize("role, lean", [("draft", True), ("target", False)])
+def test_only_the_draft_service_runs_lean(role, lean):
+    """The target's forward is Hugging Face's: the output is that model's."""
+    import asyncio
+
+    async def load():
+        host = ModelHost(ServiceConfig(role=role, port=0, lean_forward=True))
+        await host.load()
+        host.close()
+        return host.runner.lean
+
+    assert asyncio.run(load()) is lean
