@@ -1,10 +1,13 @@
 """γ policies side by side in process, on the bundled pair: each prompt is
 decoded once per policy, in a random order per prompt, so that the machine's
 load drifts over all of them alike. Adaptive policies warm-start from their own
-previous request, as the coordinator does.
+previous request, as the coordinator does. ``--draft-forwards lean,hf`` runs
+each policy with the draft's lean forward (the default) and with Hugging Face's.
 
     python scripts/compare_policies_in_process.py --mode sampling \\
         --policies static:0,static:1,static:2,adaptive [--repeats 3] [--core 1]
+    python scripts/compare_policies_in_process.py --mode greedy \\
+        --policies static:0,static:4,adaptive --draft-forwards lean,hf
 """
 
 from __future__ import annotations
@@ -30,15 +33,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--core", type=int, default=1, help="the core to run on (one torch thread)")
+    parser.add_argument("--draft-forwards", default="lean",
+                        help="comma-separated: lean (specdec.lean_llama), hf (Hugging Face's forward)")
     args = parser.parse_args()
+    forwards = args.draft_forwards.split(",")
+    if not set(forwards) <= {"lean", "hf"}:
+        parser.error(f"--draft-forwards: lean or hf, got {args.draft_forwards!r}")
 
     if args.core in os.sched_getaffinity(0):
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    decoder = SpeculativeDecoder(bundled.target_path(), bundled.draft_path())
-    prompts = make_prompts(held_out_streams(decoder.tokenizer), args.prompts, 128, args.tokens, seed=0)
-    names = args.policies.split(",")
-    policies = {name: parse_gamma_policy(name, 16) for name in names}
+    lean = SpeculativeDecoder(bundled.target_path(), bundled.draft_path())
+    decoders = {"lean": lean, "hf": SpeculativeDecoder(lean.target, bundled.draft_path(), lean_draft=False)}
+    prompts = make_prompts(held_out_streams(lean.tokenizer), args.prompts, 128, args.tokens, seed=0)
+    # "static:0" is the target alone: the draft's forward does not matter there.
+    names = [p if p == "static:0" or len(forwards) == 1 else f"{p} ({f} draft)"
+             for p in args.policies.split(",") for f in (forwards[:1] if p == "static:0" else forwards)]
+    policies = {name: parse_gamma_policy(name.split(" ")[0], 16) for name in names}
     totals = {name: dict(tokens=0, seconds=0.0, rounds=0, drafted=0) for name in names}
     order = random.Random(0)
     for repeat in range(args.repeats):
@@ -48,6 +59,7 @@ def main() -> None:
             for name in order.sample(names, len(names)):
                 if isinstance(policies[name], AdaptiveGamma):
                     policies[name] = policies[name].for_new_request()
+                decoder = decoders["hf" if "(hf draft)" in name or forwards == ["hf"] else "lean"]
                 out = decoder.generate(prompt, max_new_tokens=args.tokens, sampling=sampling, gamma=policies[name])
                 t = totals[name]
                 t["tokens"] += len(out.token_ids)
