@@ -86,26 +86,34 @@ def record(n_prompts: int, new_tokens: int, lookahead: int, seed: int = 0) -> li
 
 
 def replay(traces: list[dict], make_policy: Callable[[], GammaPolicy], cost: RoundCost,
-           stop_below: float = 0.0) -> float:
+           stop_below: float = 0.0, draft_ahead: bool = False) -> float:
     """Tokens per second of ``make_policy``'s schedule over every trace (requests in
     a row, warm-started as the coordinator does). ``stop_below``: drafting stops
-    after the first draft whose confidence is below it."""
+    after the first draft whose confidence is below it. ``draft_ahead``: as the
+    draft service does, while the target verifies γ drafts the draft makes
+    γ + 4 more as if all are accepted (the first a guess of the target's own
+    next token); when they are, and the guess is right, the next round's first
+    γ + 3 drafts are ready and cost only the call."""
     tokens, seconds = 0, 0.0
     policy = make_policy()
     for r, trace in enumerate(traces):
         if r and isinstance(policy, AdaptiveGamma):
             policy = policy.for_new_request()
         match, confidence = trace["match"], trace["confidence"]
-        length, i, missed = len(match), 0, 0
+        length, i, missed, ready = len(match), 0, 0, 0
         while i < length:
             gamma = min(policy.choose(), length - i - 1, len(confidence[i]))  # the round loop's clamp
             if stop_below:
                 gamma = next((j + 1 for j in range(gamma) if confidence[i][j] < stop_below), gamma)
             accepted = min(gamma, match[i])
             draft_s = first_s = 0.0
-            if gamma:  # after γ = 0 rounds the draft first catches up (~one draft's time)
+            if gamma and ready:
+                first_s = cost.draft_fixed
+                draft_s = first_s + cost.draft_per_token * max(0, gamma - ready)
+            elif gamma:  # after γ = 0 rounds the draft first catches up (~one draft's time)
                 first_s = cost.draft_fixed + cost.draft_per_token * (2 if missed else 1)
                 draft_s = first_s + cost.draft_per_token * (gamma - 1)
+            ready = gamma + 3 if draft_ahead and gamma and match[i] >= gamma + 1 else 0
             verify_s = cost.verify_fixed + cost.verify_per_token * gamma
             policy.observe(RoundResult([0] * (accepted + 1), gamma, accepted, draft_s, verify_s, None,
                                        first_s or None, draft_caught_up=missed if gamma else 0,
@@ -155,6 +163,8 @@ def main() -> None:
     p.add_argument("--call-overhead-ms", type=float, default=1.0,
                    help="per call in distributed rows: gRPC in Python, both ends (docs/benchmarks.md)")
     p.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 2, 10, 30], help="added RTTs (default 0 2 10 30)")
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="distributed rows: the draft service drafts ahead (its default; see replay)")
     args = p.parse_args()
 
     path = pathlib.Path(args.traces) if args.traces else None
@@ -172,15 +182,16 @@ def main() -> None:
           "| best confidence stop (hindsight) |")
     print("|---|---|---|---|---|---|")
     for row, cost in costs(args).items():
-        static = {g: replay(traces, functools.partial(StaticGamma, g), cost) for g in range(lookahead + 1)}
+        run = functools.partial(replay, draft_ahead=args.draft_ahead and row != "in-process")
+        static = {g: run(traces, functools.partial(StaticGamma, g), cost) for g in range(lookahead + 1)}
         best_g = max(static, key=static.get)
         best = static[best_g]
-        heuristic = replay(traces, functools.partial(HeuristicGamma, gamma_max=lookahead), cost) / best
-        adaptive = replay(traces, functools.partial(AdaptiveGamma, gamma_max=lookahead), cost) / best
-        two = {(f, o): replay(traces, functools.partial(TwoStateGamma, f, o), cost)
+        heuristic = run(traces, functools.partial(HeuristicGamma, gamma_max=lookahead), cost) / best
+        adaptive = run(traces, functools.partial(AdaptiveGamma, gamma_max=lookahead), cost) / best
+        two = {(f, o): run(traces, functools.partial(TwoStateGamma, f, o), cost)
                for f in range(1, lookahead + 1) for o in range(1, lookahead + 1)}
         two_best = max(two, key=two.get)
-        stop = {(g, tau): replay(traces, functools.partial(StaticGamma, g), cost, tau)
+        stop = {(g, tau): run(traces, functools.partial(StaticGamma, g), cost, tau)
                 for g in range(1, lookahead + 1) for tau in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)}
         stop_best = max(stop, key=stop.get)
         print(f"| {row} | {best_g} ({best / static[0]:.2f}×) | {heuristic:.3f} | {adaptive:.3f} "

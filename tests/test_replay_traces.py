@@ -33,6 +33,19 @@ def test_static_rounds_counted_by_hand():
     assert replay_script.replay([t], lambda: StaticGamma(4), COST) == pytest.approx(9 / (18 + 18 + 14))
 
 
+def test_drafts_made_ahead_are_free_after_a_full_round_whose_guess_was_right():
+    # match 3 everywhere: static:2 accepts both drafts and the draft's guess of
+    # the target's next token (the 3rd) is right, so from the second round on the
+    # drafts are ready (0 s; COST has no fixed draft cost): 3 rounds of 3 tokens,
+    # 14 + 12 + 12 s.
+    t = trace([3] * 9)
+    assert replay_script.replay([t], lambda: StaticGamma(2), COST, draft_ahead=True) == pytest.approx(9 / 38)
+    # match 2: all accepted but the guess is wrong: nothing is ready, as without.
+    t = trace([2] * 9)
+    assert replay_script.replay([t], lambda: StaticGamma(2), COST, draft_ahead=True) == \
+        pytest.approx(replay_script.replay([t], lambda: StaticGamma(2), COST))
+
+
 def test_the_request_end_clamps_gamma():
     # A single position: no room for a draft; one plain round.
     assert replay_script.replay([trace([5])], lambda: StaticGamma(4), COST) == pytest.approx(0.1)
