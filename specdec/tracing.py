@@ -18,6 +18,12 @@ Configuration is the standard OpenTelemetry environment, plus one file flag:
   line, appended (several processes may share a file); ``specdec trace-report``
   reads it.
 
+When the collector cannot be reached, the OTLP exporters retry each batch for
+up to ``OTEL_EXPORTER_OTLP_TIMEOUT`` (10 s) and log every attempt. Here their
+messages are let through once a minute per kind (the next one says how many
+were held back), and at exit the last spans get ``EXIT_FLUSH_S`` to go out
+before the retries are cut short, so a stopping service is not held up.
+
 Why nothing is installed when nothing is configured: the OpenTelemetry API then
 hands out its no-op tracer, whose spans cost well under a microsecond, and the
 services install no interceptor for it — tracing that is off costs
@@ -26,11 +32,13 @@ nothing measurable.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import threading
+import time
 from typing import Iterator, Mapping, Sequence
 
 from opentelemetry import trace
@@ -40,6 +48,12 @@ log = logging.getLogger(__name__)
 TRACER_NAME = "specdec"
 TRACE_FILE_ENV = "SPECDEC_TRACE_FILE"
 SUPPORTED_EXPORTERS = ("otlp", "console")
+EXIT_FLUSH_S = 3.0  # at exit, how long unexported spans may take before retries are cut short
+EXPORT_LOG_INTERVAL_S = 60.0  # the OTLP exporters' messages: at most one per kind per interval
+# Where the OTLP exporters (gRPC; HTTP and its client) log failed exports.
+OTLP_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
+                "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                "opentelemetry.exporter.otlp.common.http")
 
 # gen_ai.* semantic-convention attribute names (GenAI semconv, incubating).
 GEN_AI_OPERATION = "gen_ai.operation.name"
@@ -158,19 +172,108 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or service_name})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # shutdown_tracing instead
     exporters = []
     for name in names:
         exporters.append(_otlp_exporter(environ) if name == "otlp" else ConsoleSpanExporter())
     if trace_file:
         exporters.append(JsonLinesSpanExporter(trace_file))
+    exporters = [StoppableExporter(e) for e in exporters]
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
+    if "otlp" in names:
+        limit_export_logs()
+    atexit.register(shutdown_tracing, provider, exporters)
     trace.set_tracer_provider(provider)
     log.info("tracing %s to %s", resource.attributes.get("service.name"),
              ", ".join([_otlp_description(environ) if n == "otlp" else n for n in names]
                        + ([f"file {trace_file}"] if trace_file else [])))
     return provider
+
+
+# ---------------------------------------------------------------- exit and export failures
+
+
+class StoppableExporter:
+    """An SDK span exporter whose shutdown can come early and only once: at exit
+    it cuts short the retries of an export to an unreachable collector, after
+    which further batches are dropped at once, without a warning each."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()  # the exit timer and the batch thread may both stop it
+
+    def export(self, spans: Sequence):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        if self._stopped.is_set():
+            return SpanExportResult.FAILURE
+        return self.inner.export(spans)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def shutdown_tracing(provider, exporters: Sequence[StoppableExporter], flush_s: float = EXIT_FLUSH_S) -> None:
+    """Export what is left, for at most ``flush_s``; then stop the exporters
+    (cutting short any retries) and the provider. The SDK's own exit hook would
+    wait out every retry (the batch processor's flush ignores its timeout)."""
+    stopper = threading.Timer(flush_s, lambda: [e.shutdown() for e in exporters])
+    stopper.daemon = True
+    stopper.start()
+    start = time.monotonic()
+    try:
+        provider.shutdown()
+    finally:
+        stopper.cancel()
+    if time.monotonic() - start >= flush_s:
+        log.warning("trace export did not finish within %.0f s at exit; the spans not yet exported are dropped",
+                    flush_s)
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets one record of each (logger, level) through per ``interval_s``; the
+    next one let through says how many were held back meanwhile."""
+
+    def __init__(self, interval_s: float = EXPORT_LOG_INTERVAL_S, clock=time.monotonic):
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self._last: dict[tuple[str, int], float] = {}
+        self._held: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno)
+        with self._lock:
+            now, last = self.clock(), self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                self._held[key] = self._held.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            held = self._held.pop(key, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like this in the last {now - last:.0f} s not shown)"
+        return True
+
+
+_export_log_filter = RateLimitFilter()
+
+
+def limit_export_logs() -> None:
+    """Rate-limit the OTLP exporters' messages (each failed export logs a warning
+    per retry and an error, every few seconds while a collector is down)."""
+    for name in OTLP_LOGGERS:
+        logger = logging.getLogger(name)
+        if _export_log_filter not in logger.filters:
+            logger.addFilter(_export_log_filter)
 
 
 # ---------------------------------------------------------------- the file exporter
