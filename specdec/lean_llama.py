@@ -15,8 +15,9 @@ forward. Logits match Hugging Face's to float rounding (tests/test_lean_llama.py
 that only keeps the acceptance rate the same.
 
 Models this cannot run exactly as Hugging Face would (other architectures,
-biases, other activations, rotary scalings that depend on the sequence length)
-are reported by ``unsupported_reason`` and keep Hugging Face's forward.
+quantized or adapted weights, biases, other activations, rotary scalings that
+depend on the sequence length) are reported by ``unsupported_reason`` and keep
+Hugging Face's forward.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 # Rotary embeddings whose cos/sin depend only on the position (not on the
 # sequence length), so a table computed once holds for every call.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def unsupported_reason(model) -> str | None:
@@ -36,6 +37,13 @@ def unsupported_reason(model) -> str | None:
     config = model.config
     if config.model_type != "llama":
         return f"model type {config.model_type!r} is not 'llama'"
+    if getattr(config, "quantization_config", None):
+        return "quantized weights"
+    layer = model.model.layers[0]
+    linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+               layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head)
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return "projections that are not plain nn.Linear (quantized or adapted weights)"
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         return "attention or MLP biases"
     if config.hidden_act != "silu":
@@ -53,18 +61,20 @@ def unsupported_reason(model) -> str | None:
 class LeanCache:
     """Keys and values of one sequence: [layers, kv_heads, capacity, head_dim]
     each, of which the first ``length`` positions are held. Rolling back is
-    lowering ``length``; capacity doubles when a pass needs more."""
+    lowering ``length``. Capacity starts at the first pass's length and doubles
+    when a pass needs more, up to the model's context: a session holds at most
+    about twice its tokens' worth of memory."""
 
     keys: torch.Tensor
     values: torch.Tensor
     length: int = 0
 
-    def reserve(self, needed: int) -> None:
+    def reserve(self, needed: int, limit: int) -> None:
+        """Room for ``needed`` positions; grown to at most ``limit`` (or ``needed``)."""
         capacity = self.keys.shape[2]
         if needed <= capacity:
             return
-        while capacity < needed:
-            capacity *= 2
+        capacity = max(needed, min(2 * capacity, limit))
         grown_k = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
         grown_v = torch.empty_like(grown_k)
         grown_k[:, :, : self.length] = self.keys[:, :, : self.length]
@@ -75,8 +85,6 @@ class LeanCache:
 class LeanLlama:
     """The forward pass of a loaded ``LlamaForCausalLM`` with plain tensor ops.
     Shares the model's weights (nothing is copied)."""
-
-    INITIAL_CAPACITY = 256
 
     def __init__(self, model):
         reason = unsupported_reason(model)
@@ -93,7 +101,7 @@ class LeanLlama:
 
     def new_cache(self) -> LeanCache:
         weight = self.model.model.embed_tokens.weight
-        shape = (len(self.layers), self.kv_heads, min(self.INITIAL_CAPACITY, self.max_positions), self.head_dim)
+        shape = (len(self.layers), self.kv_heads, 0, self.head_dim)  # allocated by the first pass
         keys = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         return LeanCache(keys=keys, values=torch.empty_like(keys))
 
@@ -115,13 +123,17 @@ class LeanLlama:
         positions (what ``kv_cache.forward`` returns for Hugging Face's pass)."""
         n = input_ids.shape[-1]
         start, end = cache.length, cache.length + n
-        cache.reserve(end)
+        cache.reserve(end, self.max_positions)
         cos, sin = self._rotary(start, end)
         # A new token at position start+i sees every cached position and the new
-        # ones up to itself; one token alone sees everything.
+        # ones up to itself: causal when nothing is cached, an offset mask when
+        # something is, none for one token alone.
         mask = None
-        if n > 1:
+        if n > 1 and start:
             mask = torch.ones(n, end, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)
+        # With a mask, SDPA's fused CUDA kernels take grouped K/V only repeated
+        # out (as Hugging Face does); without one they take them as they are.
+        groups = self.heads // self.kv_heads if mask is not None else 1
 
         x = F.embedding(input_ids[0], self.model.model.embed_tokens.weight)  # [n, hidden]
         for i, layer in enumerate(self.layers):
@@ -132,9 +144,12 @@ class LeanLlama:
             v = F.linear(h, attn.v_proj.weight).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
             cache.keys[i, :, start:end] = _rope(k, cos, sin)
             cache.values[i, :, start:end] = v
+            keys, values = cache.keys[i, :, :end], cache.values[i, :, :end]
+            if groups > 1:
+                keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
             out = F.scaled_dot_product_attention(
-                _rope(q, cos, sin)[None], cache.keys[i, :, :end][None], cache.values[i, :, :end][None],
-                attn_mask=mask, enable_gqa=self.kv_heads != self.heads,
+                _rope(q, cos, sin)[None], keys[None], values[None], attn_mask=mask,
+                is_causal=n > 1 and not start, enable_gqa=keys.shape[0] != self.heads,
             )[0]
             x = x + F.linear(out.transpose(0, 1).reshape(n, -1), attn.o_proj.weight)
             h = _rms_norm(x, layer.post_attention_layernorm)

@@ -301,7 +301,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         add("--draft-ahead", "draft_ahead", "while the target verifies, draft the next round as if all drafts "
             "are accepted (reused when they are; the output never changes)", action=argparse.BooleanOptionalAction)
         add("--lean-forward", "lean_forward", "run a Llama-architecture draft through specdec's lean forward pass "
-            "instead of Hugging Face's (same weights, less Python per token; the output never changes)",
+            "instead of Hugging Face's (same weights, less Python per token; the output's distribution never changes, "
+            "though one seed's sampled tokens follow q to the last bit)",
             action=argparse.BooleanOptionalAction)
     add_telemetry_arguments(parser, role)
 

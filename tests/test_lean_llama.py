@@ -33,10 +33,12 @@ def run_both(hf, lean, hf_cache, lean_cache, ids, keep):
     assert kv_cache.cache_length(lean_cache) == kv_cache.cache_length(hf_cache)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 4}, {"tie_word_embeddings": True},
-                                       {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                            "rope_theta": 10000.0}}],
-                         ids=["gqa", "mha", "tied", "linear-rope"])
+@pytest.mark.parametrize("overrides", [
+    {}, {"num_key_value_heads": 4}, {"tie_word_embeddings": True}, {"head_dim": 16},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 300}},
+], ids=["gqa", "mha", "tied", "head-dim", "linear-rope", "yarn-rope"])
 def test_logits_match_hugging_face_through_the_decoders_cache_operations(overrides):
     hf = tiny_llama(**overrides)
     lean = LeanLlama(hf)
@@ -51,10 +53,11 @@ def test_logits_match_hugging_face_through_the_decoders_cache_operations(overrid
         for cache in (hf_cache, lean_cache):  # two rejected: roll back, then run other tokens
             kv_cache.crop_cache(cache, 28)
         run_both(hf, lean, hf_cache, lean_cache, [7, 9], 2)
-        # past the initial capacity (256 positions): the cache grows, keeping what it held
+        assert lean_cache.keys.shape[2] <= 2 * 30  # capacity: the first pass's, doubled as needed
+        # far past it: the cache grows, keeping what it held, up to the model's context
         run_both(hf, lean, hf_cache, lean_cache, tokens[30:500], 3)
         run_both(hf, lean, hf_cache, lean_cache, [11], 1)
-    assert lean_cache.keys.shape[2] >= 501
+    assert 501 <= lean_cache.keys.shape[2] <= 600
 
 
 def test_the_bundled_draft_runs_lean_and_matches():
@@ -85,6 +88,19 @@ def test_models_it_cannot_run_exactly_are_refused_with_the_reason(overrides, rea
     assert reason in unsupported_reason(model)
     with pytest.raises(ValueError, match=reason):
         LeanLlama(model)
+
+
+def test_quantized_or_adapted_weights_are_refused():
+    model = tiny_llama()
+    model.config.quantization_config = {"quant_method": "gptq"}
+    assert unsupported_reason(model) == "quantized weights"
+
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA layer or a packed linear
+        pass
+
+    model = tiny_llama()
+    model.model.layers[0].mlp.up_proj.__class__ = Adapted
+    assert "not plain nn.Linear" in unsupported_reason(model)
 
 
 def test_a_runner_asked_for_lean_keeps_hugging_face_when_it_cannot(tmp_path, caplog):
