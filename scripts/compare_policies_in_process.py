@@ -44,7 +44,9 @@ def main() -> None:
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     lean = SpeculativeDecoder(bundled.target_path(), bundled.draft_path())
-    decoders = {"lean": lean, "hf": SpeculativeDecoder(lean.target, bundled.draft_path(), lean_draft=False)}
+    decoders = {"lean": lean}
+    if "hf" in forwards:
+        decoders["hf"] = SpeculativeDecoder(lean.target, bundled.draft_path(), lean_draft=False)
     prompts = make_prompts(held_out_streams(lean.tokenizer), args.prompts, 128, args.tokens, seed=0)
     # "static:0" is the target alone: the draft's forward does not matter there.
     names = [p if p == "static:0" or len(forwards) == 1 else f"{p} ({f} draft)"

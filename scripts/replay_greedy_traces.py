@@ -40,6 +40,7 @@ import pathlib
 import sys
 from typing import Callable
 
+from draft_service.servicer import DRAFT_AHEAD_EXTRA
 from specdec.gamma import AdaptiveGamma, GammaPolicy, HeuristicGamma, RoundCost, StaticGamma
 from specdec.rounds import RoundResult
 
@@ -91,9 +92,10 @@ def replay(traces: list[dict], make_policy: Callable[[], GammaPolicy], cost: Rou
     a row, warm-started as the coordinator does). ``stop_below``: drafting stops
     after the first draft whose confidence is below it. ``draft_ahead``: as the
     draft service does, while the target verifies γ drafts the draft makes
-    γ + 4 more as if all are accepted (the first a guess of the target's own
-    next token); when they are, and the guess is right, the next round's first
-    γ + 3 drafts are ready and cost only the call."""
+    1 + γ + DRAFT_AHEAD_EXTRA more as if all are accepted (the first a guess of
+    the target's own next token); when they are, and the guess is right, the
+    next round's first γ + DRAFT_AHEAD_EXTRA drafts are ready and cost only the
+    call."""
     tokens, seconds = 0, 0.0
     policy = make_policy()
     for r, trace in enumerate(traces):
@@ -113,7 +115,7 @@ def replay(traces: list[dict], make_policy: Callable[[], GammaPolicy], cost: Rou
             elif gamma:  # after γ = 0 rounds the draft first catches up (~one draft's time)
                 first_s = cost.draft_fixed + cost.draft_per_token * (2 if missed else 1)
                 draft_s = first_s + cost.draft_per_token * (gamma - 1)
-            ready = gamma + 3 if draft_ahead and gamma and match[i] >= gamma + 1 else 0
+            ready = gamma + DRAFT_AHEAD_EXTRA if draft_ahead and gamma and match[i] >= gamma + 1 else 0
             verify_s = cost.verify_fixed + cost.verify_per_token * gamma
             policy.observe(RoundResult([0] * (accepted + 1), gamma, accepted, draft_s, verify_s, None,
                                        first_s or None, draft_caught_up=missed if gamma else 0,
@@ -158,7 +160,7 @@ def main() -> None:
     p.add_argument("--lookahead", type=int, default=12, help="draft tokens recorded per position (default 12)")
     p.add_argument("--traces", default=None, metavar="FILE", help="JSON of a recording: read if it exists, else written")
     p.add_argument("--target-ms", type=float, default=5.5, help="target pass of one token (eval-pair: 5.51)")
-    p.add_argument("--draft-ms", type=float, default=1.04, help="draft per token (eval-pair: 1.04)")
+    p.add_argument("--draft-ms", type=float, default=1.04, help="draft per token (1.04: Hugging Face's forward, eval-pair; 0.63: the lean forward)")
     p.add_argument("--verify-slope-ms", type=float, default=0.6, help="target pass per extra token (measured 0.63)")
     p.add_argument("--call-overhead-ms", type=float, default=1.0,
                    help="per call in distributed rows: gRPC in Python, both ends (docs/benchmarks.md)")

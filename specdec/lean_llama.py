@@ -39,9 +39,9 @@ def unsupported_reason(model) -> str | None:
         return f"model type {config.model_type!r} is not 'llama'"
     if getattr(config, "quantization_config", None):
         return "quantized weights"
-    layer = model.model.layers[0]
-    linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-               layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head)
+    linears = [model.lm_head] + [m for layer in model.model.layers for m in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     if any(type(m) is not torch.nn.Linear for m in linears):
         return "projections that are not plain nn.Linear (quantized or adapted weights)"
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
@@ -61,9 +61,9 @@ def unsupported_reason(model) -> str | None:
 class LeanCache:
     """Keys and values of one sequence: [layers, kv_heads, capacity, head_dim]
     each, of which the first ``length`` positions are held. Rolling back is
-    lowering ``length``. Capacity starts at the first pass's length and doubles
-    when a pass needs more, up to the model's context: a session holds at most
-    about twice its tokens' worth of memory."""
+    lowering ``length``. Capacity starts at the first pass's length and grows
+    by half (at least 256 positions) when a pass needs more, up to the model's
+    context: a session holds at most ~1.5× its tokens' worth, plus 256."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -74,7 +74,7 @@ class LeanCache:
         capacity = self.keys.shape[2]
         if needed <= capacity:
             return
-        capacity = max(needed, min(2 * capacity, limit))
+        capacity = max(needed, min(capacity + max(256, capacity // 2), limit))
         grown_k = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
         grown_v = torch.empty_like(grown_k)
         grown_k[:, :, : self.length] = self.keys[:, :, : self.length]

@@ -146,8 +146,7 @@ def parse_device(device: str | torch.device) -> torch.device:
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
             raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
     elif parsed.type != "cpu":  # mps, xpu, ...: torch.<type>.is_available() where torch has one
-        backend = getattr(torch.backends, parsed.type, None) or getattr(torch, parsed.type, None)
-        available = getattr(backend, "is_available", None)
+        available = getattr(getattr(torch, parsed.type, None), "is_available", None)
         if available is None or not available():
             raise ValueError(f"device {device}: {parsed.type} is not available here (torch {torch.__version__})")
     return parsed

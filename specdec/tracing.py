@@ -21,8 +21,9 @@ Configuration is the standard OpenTelemetry environment, plus one file flag:
 When the collector cannot be reached, the OTLP exporters retry each batch for
 up to ``OTEL_EXPORTER_OTLP_TIMEOUT`` (10 s) and log every attempt. Here their
 messages are let through once a minute per kind (the next one says how many
-were held back), and at exit the last spans get ``EXIT_FLUSH_S`` to go out
-before the retries are cut short, so a stopping service is not held up.
+were held back), and at exit the last spans get ``EXIT_FLUSH_S`` to reach the
+collector before the retries are cut short (the trace file is written in
+full), so a stopping service is not held up.
 
 Why nothing is installed when nothing is configured: the OpenTelemetry API then
 hands out its no-op tracer, whose spans cost well under a microsecond, and the
@@ -173,17 +174,17 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
 
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or service_name})
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # shutdown_tracing instead
-    exporters = []
-    for name in names:
-        exporters.append(_otlp_exporter(environ) if name == "otlp" else ConsoleSpanExporter())
+    # Local exporters first: at exit they are flushed before the OTLP one, the
+    # only one that can stall (on a collector), and the only one cut short.
+    local = [ConsoleSpanExporter()] if "console" in names else []
     if trace_file:
-        exporters.append(JsonLinesSpanExporter(trace_file))
-    exporters = [StoppableExporter(e) for e in exporters]
-    for exporter in exporters:
+        local.append(JsonLinesSpanExporter(trace_file))
+    remote = [StoppableExporter(_otlp_exporter(environ))] if "otlp" in names else []
+    for exporter in local + remote:
         provider.add_span_processor(BatchSpanProcessor(exporter))
-    if "otlp" in names:
+    if remote:
         limit_export_logs()
-    atexit.register(shutdown_tracing, provider, exporters)
+    atexit.register(shutdown_tracing, provider, remote)
     trace.set_tracer_provider(provider)
     log.info("tracing %s to %s", resource.attributes.get("service.name"),
              ", ".join([_otlp_description(environ) if n == "otlp" else n for n in names]
@@ -195,9 +196,9 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
 
 
 class StoppableExporter:
-    """An SDK span exporter whose shutdown can come early and only once: at exit
-    it cuts short the retries of an export to an unreachable collector, after
-    which further batches are dropped at once, without a warning each."""
+    """An OTLP span exporter whose shutdown can come early and only once: at
+    exit it cuts short the retries of an export to an unreachable collector,
+    after which further batches are dropped at once, without a warning each."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -222,19 +223,21 @@ class StoppableExporter:
         return self.inner.force_flush(timeout_millis)
 
 
-def shutdown_tracing(provider, exporters: Sequence[StoppableExporter], flush_s: float = EXIT_FLUSH_S) -> None:
-    """Export what is left, for at most ``flush_s``; then stop the exporters
-    (cutting short any retries) and the provider. The SDK's own exit hook would
-    wait out every retry (the batch processor's flush ignores its timeout)."""
-    stopper = threading.Timer(flush_s, lambda: [e.shutdown() for e in exporters])
+def shutdown_tracing(provider, remote: Sequence[StoppableExporter], flush_s: float = EXIT_FLUSH_S) -> None:
+    """Export what is left, giving the ``remote`` exporters at most ``flush_s``;
+    then cut their retries short. The SDK's own exit hook would wait out every
+    retry (the batch processor's flush ignores its timeout), and an HTTP request
+    already sent to a silent collector cannot be cut at all: the shutdown runs
+    on a daemon thread that exit does not wait for beyond ``flush_s`` + 1 s."""
+    stopper = threading.Timer(flush_s, lambda: [e.shutdown() for e in remote])
     stopper.daemon = True
     stopper.start()
     start = time.monotonic()
-    try:
-        provider.shutdown()
-    finally:
-        stopper.cancel()
-    if time.monotonic() - start >= flush_s:
+    worker = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    worker.start()
+    worker.join(flush_s + 1.0)
+    stopper.cancel()
+    if worker.is_alive() or time.monotonic() - start >= flush_s:
         log.warning("trace export did not finish within %.0f s at exit; the spans not yet exported are dropped",
                     flush_s)
 

@@ -114,8 +114,8 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--local", "--device", "cuda:7", "x"], "device cuda:7: "),
     (["--local", "--device", "tpu9", "x"], "device 'tpu9' is not a torch device"),
-    (["--local", "--device", "mps", "x"], "device mps: mps is not available here"),
-    (["--local", "--device", "hpu", "x"], "device hpu: hpu is not available here"),
+    (["--local", "--device", "fpga", "x"], "device fpga: fpga is not available here"),
+    (["--local", "--device", "ipu", "x"], "device ipu: ipu is not available here"),
     (["--coordinator", "127.0.0.1:1", "--gamma", "0", "x"], "--gamma: only with --local"),
     (["--coordinator", "127.0.0.1:1", "--draft", "d", "--device", "cpu", "x"], "--draft, --device: only with --local"),
     (["--local", "--stop", "x", "--session", "s", "x"], "--session, --stop: only with --coordinator"),

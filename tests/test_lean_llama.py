@@ -53,7 +53,7 @@ def test_logits_match_hugging_face_through_the_decoders_cache_operations(overrid
         for cache in (hf_cache, lean_cache):  # two rejected: roll back, then run other tokens
             kv_cache.crop_cache(cache, 28)
         run_both(hf, lean, hf_cache, lean_cache, [7, 9], 2)
-        assert lean_cache.keys.shape[2] <= 2 * 30  # capacity: the first pass's, doubled as needed
+        assert lean_cache.keys.shape[2] <= 30 + 256  # capacity: the first pass's, grown as needed
         # far past it: the cache grows, keeping what it held, up to the model's context
         run_both(hf, lean, hf_cache, lean_cache, tokens[30:500], 3)
         run_both(hf, lean, hf_cache, lean_cache, [11], 1)
@@ -99,7 +99,7 @@ def test_quantized_or_adapted_weights_are_refused():
         pass
 
     model = tiny_llama()
-    model.model.layers[0].mlp.up_proj.__class__ = Adapted
+    model.model.layers[-1].mlp.up_proj.__class__ = Adapted  # any layer, not only the first
     assert "not plain nn.Linear" in unsupported_reason(model)
 
 

@@ -35,9 +35,9 @@ def test_static_rounds_counted_by_hand():
 
 def test_drafts_made_ahead_are_free_after_a_full_round_whose_guess_was_right():
     # match 3 everywhere: static:2 accepts both drafts and the draft's guess of
-    # the target's next token (the 3rd) is right, so from the second round on the
-    # drafts are ready (0 s; COST has no fixed draft cost): 3 rounds of 3 tokens,
-    # 14 + 12 + 12 s.
+    # the target's next token (the 3rd) is right, so from the second round on
+    # the drafts are ready (2 + DRAFT_AHEAD_EXTRA of them; 0 s, COST has no fixed
+    # draft cost): 3 rounds of 3 tokens, 14 + 12 + 12 s.
     t = trace([3] * 9)
     assert replay_script.replay([t], lambda: StaticGamma(2), COST, draft_ahead=True) == pytest.approx(9 / 38)
     # match 2: all accepted but the guess is wrong: nothing is ready, as without.

@@ -38,10 +38,14 @@ class StuckExporter:
         return True
 
 
-def exit_with(inner, spans: int, flush_s: float, caplog) -> float:
-    """Spans through a batch processor into ``inner``, then the exit; its seconds."""
+def exit_with(inner, spans: int, flush_s: float, caplog, local=None) -> float:
+    """Spans through batch processors into ``local`` (a trace file, say) and the
+    remote ``inner``, in that order as setup_tracing adds them, then the exit;
+    its seconds."""
     exporter = tracing.StoppableExporter(inner)
     provider = TracerProvider(shutdown_on_exit=False)
+    if local is not None:
+        provider.add_span_processor(BatchSpanProcessor(local))
     provider.add_span_processor(BatchSpanProcessor(exporter, max_export_batch_size=1))
     for _ in range(spans):
         provider.get_tracer("t").start_span("s").end()
@@ -52,10 +56,23 @@ def exit_with(inner, spans: int, flush_s: float, caplog) -> float:
 
 
 def test_exit_cuts_retries_short_after_the_flush_time(caplog):
-    inner = StuckExporter()
-    assert 0.3 <= exit_with(inner, 3, 0.3, caplog) < 3
+    inner, trace_file = StuckExporter(), InMemorySpanExporter()
+    assert 0.3 <= exit_with(inner, 3, 0.3, caplog, local=trace_file) < 3
     # The stuck export was cut short; the rest were dropped without reaching it.
     assert inner.exports == 1 and inner.shutdowns == 1
+    assert "did not finish within" in caplog.text
+    assert len(trace_file.get_finished_spans()) == 3  # the local exporter is not cut short
+
+
+def test_exit_does_not_wait_for_an_export_that_cannot_be_cut_short(caplog):
+    """An HTTP request already sent to a silent collector ignores shutdown."""
+
+    class Deaf(StuckExporter):
+        def export(self, spans):
+            self.exports += 1
+            time.sleep(30)
+
+    assert exit_with(Deaf(), 1, 0.3, caplog) < 3
     assert "did not finish within" in caplog.text
 
 
