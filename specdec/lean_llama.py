@@ -4,8 +4,8 @@ Why: a draft proposes one token per forward pass, and for a small draft most of
 that pass is not arithmetic but Python: Hugging Face's module calls, config
 lookups, mask construction and output dataclasses. On the bundled 1-layer draft
 that overhead is about half of each ~1 ms step, and every round pays it γ times.
-This module runs the same weights with plain tensor operations and a
-preallocated KV cache.
+This module runs the same weights with plain tensor operations and a KV cache
+of its own (tensors grown as needed; rolling back is lowering a length).
 
 Why it is safe: the draft's numerics never change what is generated. The target
 accepts or rejects each draft token against the probabilities the draft actually
