@@ -157,6 +157,7 @@ class Coordinator:
 
     def _remember(self, policy: GammaPolicy, job: GenerateJob) -> None:
         if isinstance(policy, AdaptiveGamma):
+            log.debug("adaptive γ after %s: %s", job.session_id or "a request", policy.describe())
             with self._lock:
                 self._learned_adaptive.pop(_regime(job), None)
                 self._learned_adaptive[_regime(job)] = policy

@@ -136,6 +136,10 @@ class _DecayingLine:
         """The line's value at x = 0, given its slope."""
         return max(0.0, (self.y - slope * self.x) / self.w) if self.w else 0.0
 
+    def forget(self, keep: float) -> None:
+        """Keep only ``keep`` of the weight of everything seen so far."""
+        self.w, self.x, self.y, self.xx, self.xy = (v * keep for v in (self.w, self.x, self.y, self.xx, self.xy))
+
 
 @dataclasses.dataclass
 class AdaptiveGamma:
@@ -241,6 +245,16 @@ class AdaptiveGamma:
         new._accepted = [a * carry for a in self._accepted]
         return new
 
+    def describe(self) -> str:
+        """The estimates in one line, for logs (why γ is what it is)."""
+        cost = self.cost()
+        costs = "no cost measured yet" if cost is None else (
+            f"draft {cost.draft_fixed * 1e3:.2f} ms + {cost.draft_per_token * 1e3:.2f} ms/token, "
+            f"verify {cost.verify_fixed * 1e3:.2f} ms + {cost.verify_per_token * 1e3:.2f} ms/token")
+        alphas = " ".join(f"{a:.2f}" for a in self.alphas()[:6])
+        return (f"{costs}; α by position {alphas}; best γ {self.best()}"
+                f"{f', idle {self._since_drafted} rounds' if self.idle else ''}")
+
     # -- policy ---------------------------------------------------------------
 
     def optimistic_alphas(self) -> list[float]:
@@ -293,9 +307,25 @@ class AdaptiveGamma:
         loss = cost.seconds(1) - expected_tokens(self.alphas(), 1) * plain
         return loss <= self.probe_budget * self._since_drafted * plain
 
+    def _check_verify_slope(self, gamma: int, verify_s: float) -> None:
+        """A probe verifies ``gamma`` drafts after idle rounds, which keep the
+        intercept fresh: the rise over it bounds the slope. Where it falls well
+        below the slope in use, that slope came from a spell that is over (the
+        first passes of fresh services are slow, each new number of tokens
+        once): keep a tenth of the fit's history and the probe's slope, so that
+        it does not keep the draft idle. (Seen in ``specdec demo``: an 8-token
+        warm-up left 2.5–5.5 ms per token, against ~0.6, and the measured
+        request drafted in 6 of 124 rounds.)"""
+        intercept = self._verify.intercept(self._verify_slope)
+        bound = max(0.0, (verify_s - intercept) / gamma)
+        if bound < self._verify_slope / 2:
+            self._verify.forget(0.1)
+            self._verify_slope = bound
+
     def observe(self, result: "RoundResult") -> None:
         g, n = result.gamma, result.accepted
         d = self.decay
+        probe = bool(g) and self.idle
         if g:
             self._since_drafted = 0
             # Old acceptance evidence fades as drafting goes on (acceptance
@@ -311,6 +341,8 @@ class AdaptiveGamma:
             if i < n:
                 self._accepted[i] += 1
         if not result.target_caught_up:  # a pre-fill is not what a round costs
+            if probe:
+                self._check_verify_slope(g, result.verify_s)
             self._verify.add(g, result.verify_s)
             slope = self._verify.slope()
             if slope is not None:

@@ -180,6 +180,25 @@ def test_a_draft_that_got_faster_while_idle_is_noticed():
     assert sum(fast[-100:]) / 100 >= 3, fast
 
 
+def test_a_slope_learnt_from_cold_passes_is_undone_by_the_first_probe():
+    """Fresh services run each new number of tokens slowly once: a short warm-up
+    learns a verify slope of several ms per token (true: 0.6), drafting does not
+    pay, and the policy idles. The first probe's verify, over an intercept the
+    idle rounds kept fresh, bounds the slope: drafting resumes. Before, the
+    measured request of ``specdec demo`` drafted in as few as 6 of 124 rounds
+    (here: in 11–84, under 60 in 8 seeds of 20; now 65–84)."""
+    drafted = []
+    for seed in range(20):
+        policy = AdaptiveGamma(gamma_max=16)
+        for g, n, verify_s in [(4, 1, 0.024), (4, 2, 0.018), (1, 0, 0.013), (2, 1, 0.012), (0, 0, 0.0062)]:
+            policy.observe(RoundResult([0] * (n + 1), g, n, 0.001 + 0.0015 * g if g else 0.0, verify_s, None,
+                                       0.0025 if g else None))
+        seen = play(policy.for_new_request(), [0.8] * 16, RoundCost(0.001, 0.0012, 0.006, 0.0006), 124,
+                    random.Random(seed), noise=0.05)
+        drafted.append(sum(1 for g in seen if g))
+    assert min(drafted) >= 60, drafted
+
+
 def test_one_slow_first_draft_call_does_not_decide_the_cost():
     """The first calls to fresh services are slow. One 40 ms draft call among ten
     weighs about a tenth of the estimate (an exponential average started from it
@@ -374,3 +393,12 @@ def test_the_probe_count_carries_into_the_next_request():
         if one_round():
             break
     assert gap == 17  # 16 rounds without drafting, then the probe
+
+
+def test_the_estimates_are_described_in_one_line_for_the_log():
+    policy = AdaptiveGamma(gamma_max=8)
+    assert policy.describe() == "no cost measured yet; α by position 0.60 0.60 0.60 0.60 0.60 0.60; best γ 4"
+    policy.observe(RoundResult([0] * 3, 4, 2, 0.005, 0.008, None, 0.002))
+    policy.observe(RoundResult([0], 0, 0, 0.0, 0.006, None))
+    text = policy.describe()
+    assert text.startswith("draft ") and "ms/token, verify " in text and text.endswith("idle 1 rounds")
