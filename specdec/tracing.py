@@ -141,8 +141,8 @@ def _otlp_description(environ: Mapping[str, str]) -> str:
 
 
 def _otlp_exporter(environ: Mapping[str, str]):
-    if _otlp_protocol(environ) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    if _otlp_protocol(environ) == "grpc":  # the SDK's, with a faster encoder (same bytes)
+        from specdec.otlp_encode import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     return OTLPSpanExporter()

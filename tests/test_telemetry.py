@@ -10,6 +10,8 @@ import urllib.request
 import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -19,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import telemetry, tracing
 from specdec.cli import main as cli_main
 from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, ServiceMetrics
+from specdec.proto import specdec_pb2 as pb
 from specdec.rounds import RoundResult
 from specdec.sessions import StoreStats
 
@@ -74,7 +77,7 @@ def test_unsupported_exporter_settings_are_ignored_with_a_warning(caplog):
     assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "zipkin,console"}) == ["console"]
     assert "exporter 'zipkin' is not supported" in caplog.text
     exporter = tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
-    assert "http/json is not supported" in caplog.text and "proto.grpc" in type(exporter).__module__
+    assert "http/json is not supported" in caplog.text and isinstance(exporter, GrpcSpanExporter)
     exporter.shutdown()
 
 
@@ -85,10 +88,10 @@ def test_sdk_disabled_turns_the_trace_file_off_too(tmp_path, caplog):
     assert "tracing is off" in caplog.text
 
 
-@pytest.mark.parametrize("protocol, module", [("grpc", "proto.grpc"), ("http/protobuf", "proto.http")])
-def test_otlp_protocol_selects_the_exporter(protocol, module):
+@pytest.mark.parametrize("protocol, exporter_class", [("grpc", GrpcSpanExporter), ("http/protobuf", HttpSpanExporter)])
+def test_otlp_protocol_selects_the_exporter(protocol, exporter_class):
     exporter = tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
-    assert module in type(exporter).__module__
+    assert isinstance(exporter, exporter_class)
     exporter.shutdown()
 
 
@@ -402,6 +405,25 @@ def test_receiver_that_keeps_nothing_still_counts(provider):
         exporter.export(provider.memory.get_finished_spans())
         exporter.shutdown()
         assert (receiver.span_count, receiver.exports, receiver.spans) == (3, 1, [])
+
+
+def test_round_spans_encode_for_otlp_as_the_sdk_encodes_them(provider):
+    """The coordinator's round and CLIENT spans, through the fast encoder
+    (``tests/test_otlp_encode.py`` covers every kind of span and value)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from specdec import otlp_encode
+
+    draft = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
+    timing = pb.ServerTiming(queue_s=1e-4, compute_s=0.01, copy_s=0.0, computed_tokens=4)
+    with telemetry.TRACE_ONLY.round(3) as scope:
+        with draft.call("Propose") as call:
+            call.record(telemetry.RpcRecord.of_call("draft", 0.012, timing, 100, 200))
+        scope.done(RoundResult([1, 2, 3], 4, 2, 0.01, 0.01, None))
+    spans = provider.memory.get_finished_spans()
+    assert len(spans) == 2
+    assert ExportTraceServiceRequest.FromString(otlp_encode.encode_spans(spans)) == encode_spans(spans)
 
 
 def test_client_call_spans_say_how_a_call_ended_early(provider):
