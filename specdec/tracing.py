@@ -51,10 +51,12 @@ TRACE_FILE_ENV = "SPECDEC_TRACE_FILE"
 SUPPORTED_EXPORTERS = ("otlp", "console")
 EXIT_FLUSH_S = 3.0  # at exit, how long unexported spans may take before retries are cut short
 EXPORT_LOG_INTERVAL_S = 60.0  # the OTLP exporters' messages: at most one per kind per interval
-# Where the OTLP exporters (gRPC; HTTP and its client) log failed exports.
+# Where the OTLP exporters (gRPC; HTTP and its client; specdec's encoder) log
+# failed exports and spans they cannot encode.
 OTLP_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
                 "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-                "opentelemetry.exporter.otlp.common.http")
+                "opentelemetry.exporter.otlp.common.http",
+                "specdec.otlp_encode")
 
 # gen_ai.* semantic-convention attribute names (GenAI semconv, incubating).
 GEN_AI_OPERATION = "gen_ai.operation.name"

@@ -10,7 +10,6 @@ import urllib.request
 import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec import telemetry, tracing
+from specdec import otlp_encode, telemetry, tracing
 from specdec.cli import main as cli_main
 from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, ServiceMetrics
 from specdec.proto import specdec_pb2 as pb
@@ -77,7 +76,7 @@ def test_unsupported_exporter_settings_are_ignored_with_a_warning(caplog):
     assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "zipkin,console"}) == ["console"]
     assert "exporter 'zipkin' is not supported" in caplog.text
     exporter = tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
-    assert "http/json is not supported" in caplog.text and isinstance(exporter, GrpcSpanExporter)
+    assert "http/json is not supported" in caplog.text and isinstance(exporter, otlp_encode.OTLPSpanExporter)
     exporter.shutdown()
 
 
@@ -88,7 +87,8 @@ def test_sdk_disabled_turns_the_trace_file_off_too(tmp_path, caplog):
     assert "tracing is off" in caplog.text
 
 
-@pytest.mark.parametrize("protocol, exporter_class", [("grpc", GrpcSpanExporter), ("http/protobuf", HttpSpanExporter)])
+@pytest.mark.parametrize("protocol, exporter_class", [("grpc", otlp_encode.OTLPSpanExporter),
+                                                     ("http/protobuf", HttpSpanExporter)])
 def test_otlp_protocol_selects_the_exporter(protocol, exporter_class):
     exporter = tracing._otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
     assert isinstance(exporter, exporter_class)
@@ -412,8 +412,6 @@ def test_round_spans_encode_for_otlp_as_the_sdk_encodes_them(provider):
     (``tests/test_otlp_encode.py`` covers every kind of span and value)."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from specdec import otlp_encode
 
     draft = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
     timing = pb.ServerTiming(queue_s=1e-4, compute_s=0.01, copy_s=0.0, computed_tokens=4)
