@@ -143,7 +143,7 @@ def _otlp_description(environ: Mapping[str, str]) -> str:
 
 
 def _otlp_exporter(environ: Mapping[str, str]):
-    if _otlp_protocol(environ) == "grpc":  # the SDK's, with a faster encoder (same bytes)
+    if _otlp_protocol(environ) == "grpc":  # the SDK's exporter, with a faster encoder (same message)
         from specdec.otlp_encode import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
