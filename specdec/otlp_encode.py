@@ -182,16 +182,22 @@ def _any_value(value) -> bytes:
     raise TypeError(f"invalid type {type(value).__name__} of value {value!r}")
 
 
+def _cached_string(cache: dict[str, bytes], tag: bytes, s: str) -> bytes:
+    """``_string(tag, s)``, kept in ``cache``: span names and attribute keys repeat."""
+    field = cache.get(s)
+    if field is None:
+        field = _string(tag, s)
+        if len(cache) < _CACHE_LIMIT:
+            cache[s] = field
+    return field
+
+
 _key_fields: dict[str, bytes] = {}  # attribute key -> its KeyValue.key field
+_name_fields: dict[str, bytes] = {}  # span name -> its Span.name field
 
 
 def _key_field(key: str) -> bytes:
-    head = _key_fields.get(key)
-    if head is None:
-        head = _field(_KV_KEY, key.encode())
-        if len(_key_fields) < _CACHE_LIMIT:
-            _key_fields[key] = head
-    return head
+    return _cached_string(_key_fields, _KV_KEY, key)
 
 
 def _key_value(key: str, value) -> bytes:
@@ -226,18 +232,6 @@ def _attributes(tag: bytes, attributes) -> bytes:
 # ---------------------------------------------------------------- spans
 
 
-_name_fields: dict[str, bytes] = {}  # span name -> its Span.name field
-
-
-def _name_field(name: str) -> bytes:
-    cached = _name_fields.get(name)
-    if cached is None:
-        cached = _string(_SPAN_NAME, name)
-        if len(_name_fields) < _CACHE_LIMIT:
-            _name_fields[name] = cached
-    return cached
-
-
 def _flags(parent) -> bytes:
     return _REMOTE_FLAGS if parent is not None and parent.is_remote else _LOCAL_FLAGS
 
@@ -269,7 +263,7 @@ def _span(span) -> bytes:
         _SPAN_SPAN_ID, ctx.span_id.to_bytes(8, "big"),
         _string(_SPAN_TRACE_STATE, trace_state),
         (_SPAN_PARENT_SPAN_ID + parent.span_id.to_bytes(8, "big")) if parent is not None else b"",
-        _name_field(span.name),
+        _cached_string(_name_fields, _SPAN_NAME, span.name),
         _SPAN_KIND_TAG, _SMALL_VARINTS[_SPAN_KIND[span.kind]],
         (_SPAN_START + _pack_fixed64(span.start_time)) if span.start_time else b"",
         (_SPAN_END + _pack_fixed64(span.end_time)) if span.end_time else b"",
