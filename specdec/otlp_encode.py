@@ -356,26 +356,13 @@ class OTLPSpanExporter(_SdkGrpcSpanExporter):
     """The SDK's OTLP/gRPC span exporter (configured the same way, from the same
     ``OTEL_EXPORTER_OTLP_*`` variables) sending :func:`encode_spans`' bytes."""
 
-    _last: tuple | None = None  # (batch, its bytes): each retry of a batch asks for them again
-
     def _initialize_channel_and_stub(self):  # at start, and to reconnect after UNAVAILABLE
         super()._initialize_channel_and_stub()
         self._client = _TraceServiceBytesStub(self._channel)
 
     def _translate_data(self, data: Sequence) -> bytes:
-        last = self._last
-        if last is not None and last[0] is data:
-            return last[1]
         try:
-            encoded = encode_spans(data)
+            return encode_spans(data)
         except Exception:  # a span this encoder does not know: the SDK's encoder decides
             log.exception("fast OTLP encoding failed; this batch uses the SDK's encoder")
-            encoded = super()._translate_data(data).SerializeToString()
-        self._last = (data, encoded)
-        return encoded
-
-    def export(self, spans: Sequence):
-        try:
-            return super().export(spans)
-        finally:
-            self._last = None  # not kept: the batch's spans are freed
+            return super()._translate_data(data).SerializeToString()
