@@ -31,8 +31,9 @@ VARIANTS = ("off", "dropped", "sdk", "specdec")
 
 
 def simulated_rounds(n: int) -> None:
-    """``n`` rounds of the coordinator's span work, without gRPC."""
-    from specdec import telemetry
+    """``n`` rounds of the coordinator's span work, without gRPC, inside one
+    generation span (as a request's rounds are)."""
+    from specdec import telemetry, tracing
     from specdec.proto import specdec_pb2 as pb
     from specdec.rounds import RoundResult
 
@@ -40,13 +41,14 @@ def simulated_rounds(n: int) -> None:
     target = telemetry.ClientCalls("target", "specdec.v1.TargetService")
     timing = pb.ServerTiming(queue_s=1e-4, compute_s=0.01, copy_s=0.0, computed_tokens=4)
     result = RoundResult([1, 2, 3], 4, 2, 0.01, 0.01, None)
-    for i in range(n):
-        with telemetry.TRACE_ONLY.round(i) as scope:
-            with draft.call("Propose") as call:
-                call.record(telemetry.RpcRecord.of_call("draft", 0.012, timing, 120, 90))
-            with target.call("Verify") as call:
-                call.record(telemetry.RpcRecord.of_call("target", 0.013, timing, 60, 40))
-            scope.done(result)
+    with tracing.generation_span(model="m", max_tokens=n, temperature=0.0, input_tokens=8, conversation_id="c"):
+        for i in range(n):
+            with telemetry.TRACE_ONLY.round(i) as scope:
+                with draft.call("Propose") as call:
+                    call.record(telemetry.RpcRecord.of_call("draft", 0.012, timing, 120, 90))
+                with target.call("Verify") as call:
+                    call.record(telemetry.RpcRecord.of_call("target", 0.013, timing, 60, 40))
+                scope.done(result)
 
 
 def child(variant: str, endpoint: str, rounds: int) -> None:
@@ -101,7 +103,7 @@ def encoding(batch: int = 512, repeats: int = 20) -> dict[str, float]:
     provider.add_span_processor(SimpleSpanProcessor(memory))
     trace.set_tracer_provider(provider)
     simulated_rounds(batch // 3 + 1)
-    spans = memory.get_finished_spans()[:batch]
+    spans = memory.get_finished_spans()[:batch]  # rounds' spans (the generation span ends last)
     assert ExportTraceServiceRequest.FromString(otlp_encode.encode_spans(spans)) == sdk_encode(spans)
     out = {}
     for name, encode in (("sdk", lambda: sdk_encode(spans).SerializeToString()),

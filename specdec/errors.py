@@ -130,8 +130,10 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Answers every exception escaping a handler with the status from
-    :func:`status_for`. Wraps unary and server-streaming handlers (the only kinds
-    specdec serves); other kinds pass through untouched."""
+    :func:`status_for` (:func:`abort_with_status`). Wraps unary and
+    server-streaming handlers (the only kinds specdec serves); other kinds pass
+    through untouched. :class:`specdec.telemetry.ServerObserver` extends it, so
+    that a traced server wraps each call once, not twice."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -151,7 +153,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """End the call with ``exc``'s status (raises ``grpc.aio.AbortError``); log it,
+    with the traceback if it is a bug (INTERNAL)."""
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed: %s", method, message, exc_info=exc)
@@ -167,7 +171,7 @@ def _wrap_unary(behavior, method: str):
         except grpc.aio.AbortError:  # the handler aborted on purpose
             raise
         except Exception as exc:
-            await _abort(context, exc, method)
+            await abort_with_status(context, exc, method)
 
     return unary
 
@@ -183,6 +187,6 @@ def _wrap_stream(behavior, method: str):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc, method)
+            await abort_with_status(context, exc, method)
 
     return stream

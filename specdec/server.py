@@ -74,8 +74,12 @@ class GrpcServer:
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ):
         self.service_names = list(service_names)
+        interceptors = list(interceptors)
+        if not any(isinstance(i, ErrorInterceptor) for i in interceptors):  # one of them may map errors itself
+            interceptors.insert(0, ErrorInterceptor())
+        self.interceptors = interceptors
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), *interceptors],
+            interceptors=interceptors,
             options=[
                 *channel_options(max_message_bytes),
                 # Fail loudly if the port is taken, instead of sharing it silently.

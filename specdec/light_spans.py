@@ -1,0 +1,170 @@
+"""Spans for the hot path -- a round's span, each RPC's CLIENT and SERVER span --
+made without the SDK's ``Tracer.start_span``.
+
+Why: every round makes five spans across the three processes, and the SDK's
+``start_span``/``set_attributes``/``end`` cost ~65 µs of Python per span
+(``scripts/bench_otlp_export.py``: 202 µs per simulated coordinator round
+against 39 µs with these). Most of it is generality a span we make ourselves
+does not need: an ``RLock`` and a ``BoundedAttributes`` per span, every
+attribute value re-validated, a second object built at ``end``.
+
+What is the same as the SDK's spans: the sampler is asked for every span (with
+the SDK's arguments), trace and span ids, flags and trace state are made as the
+SDK makes them, the span processors get ``on_start`` and, at ``end``, a
+``ReadableSpan`` they export as any other (OTLP, the trace file, the console).
+Attribute values of type ``str``, ``bool``, ``int`` and ``float`` are stored as
+they are -- as the SDK would -- and anything else goes through the SDK's own
+cleaning. ``tests/test_light_spans.py`` checks that a light span and an SDK span
+made by the same calls export the same.
+
+What is not: span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`` and friends) are not
+applied -- these spans carry at most ~20 attributes -- and a span is meant for
+one thread at a time (no lock). Root spans (no valid parent: a new trace) and
+tracers that are not the SDK's are made by the tracer itself, unchanged.
+"""
+
+from __future__ import annotations
+
+import traceback
+from time import time_ns
+from types import MappingProxyType
+from typing import Mapping
+
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.context import Context
+from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from specdec import tracing
+
+_PLAIN = frozenset({str, bool, int, float})  # values the SDK would store unchanged
+_UNSET = Status(StatusCode.UNSET)
+
+
+def start_span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping | None = None,
+               context: Context | None = None, tracer: trace.Tracer | None = None) -> trace.Span:
+    """``tracer.start_span(name, context, kind, attributes)``, cheaper: a
+    :class:`LightSpan` for a recorded child span of an SDK tracer; otherwise
+    whatever the tracer makes. ``tracer``: specdec's (:func:`specdec.tracing.tracer`)
+    unless given. Not made current (``trace.use_span`` does that, as for the SDK's)."""
+    tracer = tracer or tracing.tracer()
+    parent = trace.get_current_span(context).get_span_context()
+    if not isinstance(tracer, sdk_trace.Tracer) or not parent.is_valid:
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes)
+    # As in the SDK's Tracer.start_span for a span with a parent.
+    sampling = tracer.sampler.should_sample(context, parent.trace_id, name, kind, attributes)
+    flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
+    if parent.trace_flags.random_trace_id:
+        flags |= TraceFlags.RANDOM_TRACE_ID
+    span_context = SpanContext(parent.trace_id, tracer.id_generator.generate_span_id(), is_remote=False,
+                               trace_flags=TraceFlags(flags), trace_state=sampling.trace_state)
+    if not sampling.decision.is_recording():
+        return trace.NonRecordingSpan(span_context)
+    span = LightSpan(tracer, name, kind, span_context, parent)
+    if sampling.attributes:
+        span.set_attributes(sampling.attributes)
+    tracer.span_processor.on_start(span, parent_context=context)
+    return span
+
+
+class LightSpan(trace.Span):
+    """A recording span that becomes an SDK ``ReadableSpan`` when it ends."""
+
+    __slots__ = ("_tracer", "_name", "_kind", "_context", "_parent", "_attributes", "_events", "_links",
+                 "_status", "_start_time", "_end_time", "_dropped")
+
+    def __init__(self, tracer: sdk_trace.Tracer, name: str, kind: SpanKind, context: SpanContext,
+                 parent: SpanContext | None):
+        self._tracer, self._name, self._kind, self._context, self._parent = tracer, name, kind, context, parent
+        self._attributes: dict = {}
+        self._events: list = []
+        self._links: list = []
+        self._status = _UNSET
+        self._start_time = time_ns()
+        self._end_time: int | None = None
+        self._dropped = 0  # attributes the SDK's cleaning dropped (bad keys)
+
+    # ---- what span processors and exporters read (as on an SDK span)
+    name = property(lambda self: self._name)
+    kind = property(lambda self: self._kind)
+    parent = property(lambda self: self._parent)
+    context = property(lambda self: self._context)
+    start_time = property(lambda self: self._start_time)
+    end_time = property(lambda self: self._end_time)
+    status = property(lambda self: self._status)
+    attributes = property(lambda self: MappingProxyType(self._attributes))
+    resource = property(lambda self: self._tracer.resource)
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return self._end_time is None
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        if self._end_time is not None:
+            return
+        mine = self._attributes
+        for key, value in attributes.items():
+            if type(value) in _PLAIN and type(key) is str and key:
+                mine[key] = value
+            else:
+                cleaned = _cleaned({key: value})
+                mine.update(cleaned)
+                self._dropped += 1 - len(cleaned)
+
+    def set_attribute(self, key: str, value) -> None:
+        self.set_attributes({key: value})
+
+    def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
+        if self._end_time is None:
+            self._events.append(sdk_trace.Event(name, _cleaned(attributes), timestamp))
+
+    def add_link(self, context: SpanContext, attributes: Mapping | None = None) -> None:
+        if self._end_time is None and (context.is_valid or attributes or context.trace_state):
+            self._links.append(trace.Link(context, _cleaned(attributes)))
+
+    def update_name(self, name: str) -> None:
+        if self._end_time is None:
+            self._name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        """As the SDK: OK is final, UNSET is ignored."""
+        if self._end_time is not None or self._status.status_code is StatusCode.OK:
+            return
+        if isinstance(status, StatusCode):
+            status = Status(status, description)
+        if status.status_code is not StatusCode.UNSET:
+            self._status = status
+
+    def record_exception(self, exception: BaseException, attributes: Mapping | None = None,
+                         timestamp: int | None = None, escaped: bool = False) -> None:
+        """The SDK's ``exception`` event, attribute for attribute."""
+        module, qualname = type(exception).__module__, type(exception).__qualname__
+        event = {
+            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+            **(attributes or {}),
+        }
+        self.add_event("exception", event, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._end_time is not None:
+            return
+        self._end_time = end_time if end_time is not None else time_ns()
+        tracer, attributes = self._tracer, self._attributes
+        if self._dropped:  # rare: the count travels on a BoundedAttributes, as from the SDK
+            attributes = BoundedAttributes(attributes=attributes, immutable=True)
+            attributes.dropped = self._dropped
+        tracer.span_processor.on_end(sdk_trace.ReadableSpan(
+            self._name, self._context, self._parent, tracer.resource, attributes, tuple(self._events),
+            tuple(self._links), self._kind, None, self._status, self._start_time, self._end_time,
+            tracer._instrumentation_scope))  # noqa: SLF001 -- the scope the tracer's own spans carry
+
+
+def _cleaned(attributes: Mapping | None) -> Mapping:
+    """Attributes as the SDK keeps them (sequences as tuples, bad keys dropped)."""
+    return BoundedAttributes(attributes=attributes, immutable=True) if attributes else MappingProxyType({})
