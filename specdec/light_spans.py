@@ -1,12 +1,13 @@
 """Spans for the hot path -- a round's span, each RPC's CLIENT and SERVER span --
 made without the SDK's ``Tracer.start_span``.
 
-Why: every round makes five spans across the three processes, and the SDK's
-``start_span``/``set_attributes``/``end`` cost ~65 µs of Python per span
-(``scripts/bench_otlp_export.py``: 202 µs per simulated coordinator round
-against 39 µs with these). Most of it is generality a span we make ourselves
-does not need: an ``RLock`` and a ``BoundedAttributes`` per span, every
-attribute value re-validated, a second object built at ``end``.
+Why: every round makes five spans across the three processes, and with the
+SDK's ``start_span``/``set_attributes``/``end`` making them was most of the
+coordinator's tracing CPU (``scripts/bench_otlp_export.py``, a simulated round's
+three spans made and dropped: 187 µs with the SDK's spans, 100 µs with these,
+13 µs with tracing off). Most of it is generality a span we make ourselves does
+not need: an ``RLock`` and a ``BoundedAttributes`` per span, every attribute
+value re-validated, a second object built at ``end``.
 
 What is the same as the SDK's spans: the sampler is asked for every span (with
 the SDK's arguments), trace and span ids, flags and trace state are made as the
@@ -17,10 +18,13 @@ they are -- as the SDK would -- and anything else goes through the SDK's own
 cleaning. ``tests/test_light_spans.py`` checks that a light span and an SDK span
 made by the same calls export the same.
 
-What is not: span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`` and friends) are not
-applied -- these spans carry at most ~20 attributes -- and a span is meant for
-one thread at a time (no lock). Root spans (no valid parent: a new trace) and
-tracers that are not the SDK's are made by the tracer itself, unchanged.
+What is not: span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
+``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`` and friends) are not applied -- these spans
+carry at most ~20 short attributes --, the processors' experimental
+``_on_ending`` hook is not called, and a span is meant for one thread at a time
+(no lock). Root spans (no valid parent: a new trace), tracers that are not the
+SDK's, a tracer a configurator disabled and the SDK's own span metrics are left
+to the tracer itself, unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.sdk.trace._tracer_metrics import NoOpTracerMetrics
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from specdec import tracing
@@ -50,10 +55,10 @@ def start_span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: Map
     unless given. Not made current (``trace.use_span`` does that, as for the SDK's)."""
     tracer = tracer or tracing.tracer()
     parent = trace.get_current_span(context).get_span_context()
-    if not isinstance(tracer, sdk_trace.Tracer) or not parent.is_valid:
+    if not parent.is_valid or not _plain_sdk_tracer(tracer):
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes)
     # As in the SDK's Tracer.start_span for a span with a parent.
-    sampling = tracer.sampler.should_sample(context, parent.trace_id, name, kind, attributes)
+    sampling = tracer.sampler.should_sample(context, parent.trace_id, name, kind, attributes, ())
     flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
     if parent.trace_flags.random_trace_id:
         flags |= TraceFlags.RANDOM_TRACE_ID
@@ -66,6 +71,14 @@ def start_span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: Map
         span.set_attributes(sampling.attributes)
     tracer.span_processor.on_start(span, parent_context=context)
     return span
+
+
+def _plain_sdk_tracer(tracer) -> bool:
+    """An SDK tracer whose spans need nothing beyond what a light span does: not
+    disabled by a tracer configurator, not counting its spans in the SDK's own
+    metrics (``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED``)."""
+    return (isinstance(tracer, sdk_trace.Tracer) and tracer._is_enabled()  # noqa: SLF001
+            and isinstance(tracer._tracer_metrics, NoOpTracerMetrics))  # noqa: SLF001
 
 
 class LightSpan(trace.Span):
@@ -94,7 +107,12 @@ class LightSpan(trace.Span):
     end_time = property(lambda self: self._end_time)
     status = property(lambda self: self._status)
     attributes = property(lambda self: MappingProxyType(self._attributes))
+    events = property(lambda self: tuple(self._events))
+    links = property(lambda self: tuple(self._links))
+    dropped_attributes = property(lambda self: self._dropped)
+    dropped_events = dropped_links = property(lambda self: 0)
     resource = property(lambda self: self._tracer.resource)
+    instrumentation_scope = property(lambda self: self._tracer._instrumentation_scope)  # noqa: SLF001
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -115,7 +133,10 @@ class LightSpan(trace.Span):
                 self._dropped += 1 - len(cleaned)
 
     def set_attribute(self, key: str, value) -> None:
-        self.set_attributes({key: value})
+        if type(key) is str and key:
+            self.set_attributes({key: value})
+        elif self._end_time is None:  # as the SDK's set_attribute: a bad key is dropped and counted
+            self._dropped += 1
 
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
         if self._end_time is None:
@@ -151,6 +172,13 @@ class LightSpan(trace.Span):
         }
         self.add_event("exception", event, timestamp)
 
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        """``with span:`` as with the SDK's span: a failure is recorded, then it ends."""
+        if exc_val is not None and self.is_recording():
+            self.record_exception(exc_val, escaped=True)
+            self.set_status(Status(StatusCode.ERROR, f"{type(exc_val).__name__}: {exc_val}"))
+        self.end()
+
     def end(self, end_time: int | None = None) -> None:
         if self._end_time is not None:
             return
@@ -161,8 +189,8 @@ class LightSpan(trace.Span):
             attributes.dropped = self._dropped
         tracer.span_processor.on_end(sdk_trace.ReadableSpan(
             self._name, self._context, self._parent, tracer.resource, attributes, tuple(self._events),
-            tuple(self._links), self._kind, None, self._status, self._start_time, self._end_time,
-            tracer._instrumentation_scope))  # noqa: SLF001 -- the scope the tracer's own spans carry
+            tuple(self._links), self._kind, tracer.instrumentation_info, self._status, self._start_time,
+            self._end_time, tracer._instrumentation_scope))  # noqa: SLF001 -- the scope its own spans carry
 
 
 def _cleaned(attributes: Mapping | None) -> Mapping:

@@ -4,7 +4,9 @@
 besides its own servicer:
 
 * message size limits large enough for dense distributions (configurable);
-* :class:`specdec.errors.ErrorInterceptor`, so handlers just raise;
+* :class:`specdec.errors.ErrorInterceptor`, so handlers just raise (or, when
+  tracing or metrics are on, :class:`specdec.telemetry.ServerObserver`, which
+  maps errors the same way);
 * the standard health service: NOT_SERVING from start until :meth:`set_serving`
   (i.e. until the model is loaded) and again while draining;
 * server reflection (``grpcurl`` can list and call the services);
@@ -64,7 +66,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class GrpcServer:
-    """A grpc.aio server with health, reflection, the error interceptor and limits."""
+    """A grpc.aio server with health, reflection, the error interceptor and limits.
+
+    ``interceptors`` run in order; unless one of them is an ``ErrorInterceptor``
+    (the telemetry's ``ServerObserver`` is one), a plain ``ErrorInterceptor``
+    goes first, so every server maps exceptions to status codes."""
 
     def __init__(
         self,

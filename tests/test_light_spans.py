@@ -21,7 +21,10 @@ class _Starts(SpanProcessor):
         self.started = []
 
     def on_start(self, span, parent_context=None):
-        self.started.append((span.name, dict(span.attributes)))
+        # what a processor may read of a starting span, as of the SDK's
+        self.started.append((span.name, dict(span.attributes), span.kind, span.parent, span.resource,
+                             span.instrumentation_scope, span.events, span.links, span.dropped_attributes,
+                             span.status.status_code, span.end_time))
 
 
 def _provider(sampler=None):
@@ -49,6 +52,7 @@ def _exercise(span) -> None:
     span.set_attributes({"s": "x", "i": 7, "f": 0.5, "b": True, "list": [1, 2], "odd": _Odd(), "": 1,
                          "bytes": b"\x00"})
     span.set_attribute("i", 8)
+    span.set_attribute(5, "x")  # a bad key: dropped and counted by set_attribute
     span.set_attribute("none", None)
     span.add_event("ev", {"k": [1.5, 2.5]})
     span.update_name("renamed")
@@ -90,8 +94,10 @@ def test_light_span_exports_what_the_sdk_span_exports():
     assert _comparable(got_light) == _comparable(got_sdk)
     assert got_light.attributes["list"] == (1, 2) and got_light.attributes["odd"] == "odd"
     assert got_light.context.span_id != got_sdk.context.span_id and not got_light.context.is_remote
-    # processors were told of both starts, with the start attributes
-    assert provider.starts.started == [("op", {"a": 1}), ("op", {"a": 1})]
+    # processors were told of both starts, and saw the same span
+    light_start, sdk_start = provider.starts.started
+    assert light_start == sdk_start and light_start[:2] == ("op", {"a": 1})
+    assert got_light.dropped_attributes == 2  # "" and 5
     # and the OTLP encodings agree but for ids and times
     a, b = (ExportTraceServiceRequest.FromString(otlp_encode.encode_spans([s])) for s in (got_light, got_sdk))
     for request in (a, b):
@@ -119,8 +125,9 @@ def test_light_span_exports_what_the_sdk_span_exports():
 def test_sampling_decision_is_the_sdks(sampler, sampled):
     provider = _provider(sampler)
     tracer = provider.get_tracer("specdec")
-    for trace_id in (0x1234, 0xFFFF_FFFF_FFFF_FFFF_FFFF_FFFF_FFFF_FFF0):
-        flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    for trace_id, random_id in ((0x1234, False), (0xFFFF_FFFF_FFFF_FFFF_FFFF_FFFF_FFFF_FFF0, True)):
+        flags = TraceFlags((TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+                           | (TraceFlags.RANDOM_TRACE_ID if random_id else 0))
         parent = trace.set_span_in_context(NonRecordingSpan(SpanContext(trace_id, 0x5678, True, flags)))
         light = light_spans.start_span("op", context=parent, tracer=tracer)
         sdk = tracer.start_span("op", context=parent)
@@ -168,3 +175,34 @@ def test_ok_status_is_final():
     span.set_status(Status(StatusCode.ERROR, "late"))
     span.end()
     assert provider.memory.get_finished_spans()[0].status.status_code is StatusCode.OK
+
+
+def test_with_block_records_a_failure_as_the_sdks_span_does():
+    provider = _provider()
+    tracer = provider.get_tracer("specdec")
+    for span in (light_spans.start_span("op", context=_parent(), tracer=tracer),
+                 tracer.start_span("op", context=_parent())):
+        with pytest.raises(RuntimeError):
+            with span:
+                raise RuntimeError("inside")
+    got_light, got_sdk = provider.memory.get_finished_spans()
+    assert _comparable(got_light) == _comparable(got_sdk)
+    assert got_light.status.status_code is StatusCode.ERROR
+    assert got_light.events[0].attributes["exception.escaped"] == "True"
+
+
+def test_a_disabled_tracer_or_the_sdks_span_metrics_leave_the_span_to_the_sdk(monkeypatch):
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.trace import _TracerConfig
+    from opentelemetry.sdk.trace._tracer_metrics import TracerMetrics
+
+    provider = _provider()
+    tracer = provider.get_tracer("specdec")
+    tracer._set_tracer_config(_TracerConfig(is_enabled=False))  # what a tracer configurator does
+    assert not light_spans.start_span("op", context=_parent(), tracer=tracer).is_recording()
+    tracer._set_tracer_config(_TracerConfig(is_enabled=True))
+    # OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED: the SDK counts the spans it starts
+    monkeypatch.setattr(tracer, "_tracer_metrics", TracerMetrics(NoOpMeterProvider()))
+    span = light_spans.start_span("op", context=_parent(), tracer=tracer)
+    assert span.is_recording() and not isinstance(span, light_spans.LightSpan)
+    span.end()

@@ -448,8 +448,8 @@ def test_client_call_spans_say_how_a_call_ended_early(provider):
 
 
 def _serve_and_call(calls, metrics=None):
-    """A GrpcServer (ErrorInterceptor + the service interceptors, as a service
-    process installs them) with a fake Verify and a streaming Propose on a
+    """A GrpcServer (with the service interceptors a service process installs:
+    the ServerObserver, which maps errors too, or a plain ErrorInterceptor) with a fake Verify and a streaming Propose on a
     loopback port; ``calls(verify, propose, channel)`` runs against it. Each handler
     records the span that was current while it ran. ``metrics``: a
     ServiceMetrics for the observer to count into."""
@@ -563,14 +563,15 @@ def test_failed_calls_mark_the_server_span(provider):
     async def calls(verify, propose, channel):
         for session, code in (("bad", grpc.StatusCode.INVALID_ARGUMENT), ("bug", grpc.StatusCode.INTERNAL)):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await verify(pb.VerifyRequest(session_id=session))
+                await verify(pb.VerifyRequest(session_id=session), metadata=_traceparent(0xABC, 0x123, True))
             assert failed.value.code() == code
         with pytest.raises(grpc.aio.AioRpcError) as failed:  # mid-stream
-            [m async for m in propose(pb.ProposeRequest(session_id="bad"))]
+            [m async for m in propose(pb.ProposeRequest(session_id="bad"), metadata=_traceparent(0xABC, 0x1, True))]
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "above the limit" in failed.value.details()
 
     _serve_and_call(calls)
     bad, bug, bad_stream = sorted(provider.memory.get_finished_spans(), key=lambda s: s.start_time)
+    assert all(s.parent is not None and s.context.trace_id == 0xABC for s in (bad, bug, bad_stream))
     assert bad_stream.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert bad.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert bad.status.status_code == trace.StatusCode.ERROR and "outside the vocabulary" in bad.status.description
@@ -608,6 +609,27 @@ def test_the_observer_is_the_servers_one_error_interceptor():
     for code in ("INVALID_ARGUMENT", "INTERNAL"):
         assert metrics.registry.get_sample_value(
             "specdec_rpc_errors_total", {"service": "target", "method": "Verify", "code": code}) == 1
+
+
+def test_the_observers_own_failure_is_answered_internal(provider, monkeypatch):
+    """A bug in the observer itself (here: making the span) is a status the
+    client can read, INTERNAL, as every other bug, not grpc's UNKNOWN."""
+    from specdec import light_spans
+    from specdec.proto import specdec_pb2 as pb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler bug")
+
+    monkeypatch.setattr(light_spans, "start_span", broken)
+
+    async def calls(verify, propose, channel):
+        for call in (verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, True)),
+                     propose(pb.ProposeRequest(), metadata=_traceparent(0xABC, 0x123, True)).read()):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await call
+            assert failed.value.code() == grpc.StatusCode.INTERNAL and "sampler bug" in failed.value.details()
+
+    assert _serve_and_call(calls) == []  # the handlers never ran
 
 
 def test_a_stream_cancelled_mid_send_ends_its_span_cleanly(provider, caplog):
