@@ -448,11 +448,12 @@ def test_client_call_spans_say_how_a_call_ended_early(provider):
 
 
 def _serve_and_call(calls, metrics=None):
-    """A GrpcServer (with the service interceptors a service process installs:
-    the ServerObserver, which maps errors too, or a plain ErrorInterceptor) with a fake Verify and a streaming Propose on a
-    loopback port; ``calls(verify, propose, channel)`` runs against it. Each handler
-    records the span that was current while it ran. ``metrics``: a
-    ServiceMetrics for the observer to count into."""
+    """A GrpcServer with the interceptors a service process installs (the
+    ServerObserver, which maps errors too, or else a plain ErrorInterceptor),
+    a fake Verify and a streaming Propose on a loopback port;
+    ``calls(verify, propose, channel)`` runs against it. Each handler records
+    the span that was current while it ran. ``metrics``: a ServiceMetrics for
+    the observer to count into."""
     import asyncio
 
     from specdec.proto import specdec_pb2 as pb
