@@ -130,7 +130,7 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Answers every exception escaping a handler with the status from
-    :func:`status_for` (:func:`abort_with_status`). Wraps unary and
+    :func:`status_for` (:func:`answer_failure`). Wraps unary and
     server-streaming handlers (the only kinds specdec serves); other kinds pass
     through untouched. :class:`specdec.telemetry.ServerObserver` extends it, so
     that a traced server wraps each call once, not twice."""
@@ -153,9 +153,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
-    """End the call with ``exc``'s status (raises ``grpc.aio.AbortError``); log it,
-    with the traceback if it is a bug (INTERNAL)."""
+async def answer_failure(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    """What every specdec server does with an exception leaving a handler: end
+    the call with its status from :func:`status_for` (this raises
+    ``grpc.aio.AbortError``) and log it, with the traceback if it is a bug
+    (INTERNAL). A deliberate abort, a cancellation or shutdown is left as it is
+    (this returns; re-raise it)."""
+    if not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
+        return
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed: %s", method, message, exc_info=exc)
@@ -168,10 +173,9 @@ def _wrap_unary(behavior, method: str):
     async def unary(request, context):
         try:
             return await behavior(request, context)
-        except grpc.aio.AbortError:  # the handler aborted on purpose
+        except BaseException as exc:
+            await answer_failure(context, exc, method)
             raise
-        except Exception as exc:
-            await abort_with_status(context, exc, method)
 
     return unary
 
@@ -184,9 +188,8 @@ def _wrap_stream(behavior, method: str):
         try:
             async for item in behavior(request, context):
                 yield item
-        except grpc.aio.AbortError:
+        except BaseException as exc:
+            await answer_failure(context, exc, method)
             raise
-        except Exception as exc:
-            await abort_with_status(context, exc, method)
 
     return stream

@@ -43,7 +43,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec import light_spans, tracing
-from specdec.errors import ErrorInterceptor, abort_with_status, rpc_status, status_for
+from specdec.errors import ErrorInterceptor, answer_failure, rpc_status, status_for
 from specdec.metrics import ROUND_PHASES, CoordinatorMetrics, MetricsServer, RpcMetrics, ServiceMetrics
 
 SIDES = ("draft", "target")
@@ -386,7 +386,7 @@ class ServerObserver(ErrorInterceptor):
                 self._finished(method, start, None)
             except BaseException as exc:
                 self._failed(span, method, start, exc, context)
-                await self._abort(exc, context, full_method)
+                await answer_failure(context, exc, full_method)
                 raise
             finally:
                 _end_span(span, token)
@@ -412,19 +412,12 @@ class ServerObserver(ErrorInterceptor):
                 self._finished(method, start, None)
             except BaseException as exc:
                 self._failed(span, method, start, exc, context)
-                await self._abort(exc, context, full_method)
+                await answer_failure(context, exc, full_method)
                 raise
             finally:
                 _end_span(span, token)
 
         return stream
-
-    @staticmethod
-    async def _abort(exc: BaseException, context, full_method: str) -> None:
-        """What ErrorInterceptor would do with ``exc``: answer it with its status
-        (raises AbortError). Aborts, cancellations and shutdown pass as they are."""
-        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
-            await abort_with_status(context, exc, full_method)
 
     def _start_span(self, full_method: str, context):
         """The call's SERVER span, made current (the token undoes that), or the
