@@ -39,6 +39,36 @@ def test_top_p_always_keeps_the_most_likely_token():
     assert probs.tolist() == [1.0, 0.0, 0.0]
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The textbook nucleus: sort, keep while the mass before a token is < top_p."""
+    top, order = torch.sort(probs, descending=True)
+    keep = (torch.cumsum(top, -1) - top) < top_p
+    kept = torch.zeros_like(probs).scatter_(-1, order, top * keep)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_matches_a_full_sort(top_p):
+    """Random rows (no ties) over a 4096 vocabulary, peaked and flat, as a batch."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4096, generator=gen) * torch.tensor([[0.5], [1.0], [2.0], [4.0], [8.0], [16.0]])
+    params = SamplingParams(temperature=0.8, top_p=top_p)
+    got = process_logits(logits, params)
+    want = _nucleus_by_full_sort(torch.softmax(logits / 0.8, -1), top_p)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_top_p_keeps_or_drops_tied_tokens_together():
+    # 0.4 is taken; the nucleus ends at the first 0.2 (0.4 + 0.2 >= 0.5), and the
+    # other 0.2s are as likely: kept too, whatever order a sort gives ties.
+    probs_in = torch.tensor([0.2, 0.4, 0.2, 0.1, 0.2, 0.0 + 1e-9])
+    probs = process_logits(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.5))
+    assert (probs > 0).tolist() == [True, True, True, False, True, False]
+    flat = process_logits(torch.zeros(8), SamplingParams(temperature=1.0, top_p=0.3))
+    assert torch.allclose(flat, torch.full((8,), 1 / 8))
+
+
 def test_top_k_then_top_p_combined():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     probs = process_logits(logits, SamplingParams(temperature=0.7, top_k=3, top_p=0.9))
@@ -102,6 +132,16 @@ def test_truncate_top_k_is_renormalised_support():
     sparse = truncate_top_k(probs, 2)
     assert sparse.ids.tolist() == [1, 3]
     assert torch.allclose(sparse.probs, torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_truncate_top_k_sends_no_zero_probabilities():
+    probs = torch.tensor([0.0, 0.6, 0.0, 0.4, 0.0])
+    sparse = truncate_top_k(probs, 4)
+    assert sparse.ids.tolist() == [1, 3]
+    assert torch.allclose(sparse.probs, torch.tensor([0.6, 0.4]))
+    # The draw is the one the dense row would give: inverse-CDF never lands on a zero.
+    for u in [0.0, 0.3, 0.59, 0.61, 0.999]:
+        assert int(sparse.ids[sample(sparse.probs, u)]) == sample(probs, u)
 
 
 def test_tiny_temperature_is_greedy_not_nan():
