@@ -44,6 +44,10 @@ def test_distributions_round_trip_exactly():
     (pb.Distribution(ids=[1, 2], probs=pc.dist_to_proto(torch.ones(1)).probs), "2 ids but 1"),
     (pb.Distribution(ids=[60], probs=pc.dist_to_proto(torch.ones(1)).probs), "60 is outside"),
     (pb.Distribution(ids=[1, 1], probs=pc.dist_to_proto(torch.ones(2)).probs), "not unique"),
+    (pb.Distribution(ids=[9, 3, 7, 3], probs=pc.dist_to_proto(torch.ones(4)).probs), "not unique"),
+    (pb.Distribution(ids=[2, -1], probs=pc.dist_to_proto(torch.ones(2)).probs), "-1 is outside"),
+    (pc.dist_to_proto(torch.tensor([0.5, -0.1] + [0.0] * 48)), "finite and >= 0"),
+    (pc.dist_to_proto(torch.full((49,), 1 / 49)), "49 values, the vocabulary has 50"),
     (pc.dist_to_proto(torch.tensor([float("nan")] * 50)), "finite"),
     (pc.dist_to_proto(torch.zeros(50)), "all probabilities are 0"),
 ])
