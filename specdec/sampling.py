@@ -99,7 +99,8 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     together and the result never depends on how a sort orders ties."""
     desc = _sorted_descending(probs)
     before = torch.cumsum(desc, dim=-1) - desc  # the mass of the tokens ranked above each
-    taken = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1: before[0] is 0
+    # >= 1 (before[0] is 0) unless top_p underflows float32 to 0: keep the top token then too.
+    taken = (before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = desc.gather(-1, taken - 1)
     kept = torch.where(probs >= threshold, probs, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
@@ -111,9 +112,13 @@ def _sorted_descending(probs: torch.Tensor) -> torch.Tensor:
     full torch.topk take ~200; the nucleus of a weak model at t = 0.8 can hold
     a thousand tokens, so a partial sort does not help."""
     if probs.device.type == "cpu":
-        ascending = np.sort(probs.detach().numpy(), axis=-1)
-        return torch.from_numpy(np.ascontiguousarray(ascending[..., ::-1]))
+        return _sorted_descending_numpy(probs)
     return torch.sort(probs, dim=-1, descending=True).values
+
+
+def _sorted_descending_numpy(probs: torch.Tensor) -> torch.Tensor:
+    ascending = np.sort(probs.detach().numpy(), axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(ascending[..., ::-1]))
 
 
 @dataclasses.dataclass(frozen=True)

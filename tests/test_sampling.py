@@ -59,6 +59,24 @@ def test_top_p_matches_a_full_sort(top_p):
     assert torch.allclose(got, want, atol=1e-7)
 
 
+def test_numpy_sort_equals_the_device_sort():
+    """The CPU's numpy path and the torch.sort used on other devices agree."""
+    from specdec.sampling import _sorted_descending_numpy
+
+    probs = torch.softmax(torch.randn(3, 4096) * 4, -1)
+    probs[0, :100] = 0.0  # zeros, as top-k leaves them
+    want = torch.sort(probs, dim=-1, descending=True).values
+    assert torch.equal(_sorted_descending_numpy(probs), want)
+    assert torch.equal(_sorted_descending_numpy(probs[1]), want[1])
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 10)])
+def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token(shape):
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    probs = process_logits(logits, SamplingParams(temperature=1.0, top_p=1e-50))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 10).float())
+
+
 def test_top_p_keeps_or_drops_tied_tokens_together():
     # 0.4 is taken; the nucleus ends at the first 0.2 (0.4 + 0.2 >= 0.5), and the
     # other 0.2s are as likely: kept too, whatever order a sort gives ties.
