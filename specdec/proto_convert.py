@@ -82,6 +82,9 @@ def dist_to_proto(q: Distribution) -> pb.Distribution:
     return pb.Distribution(probs=_probs_bytes(q))
 
 
+_SUM_TOLERANCE = 1e-3
+
+
 def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: str = "distribution") -> Distribution:
     """Distribution -> dense float32 tensor [V] or SparseDist (on the CPU).
 
@@ -103,6 +106,7 @@ def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: s
     if len(msg.ids) == 0:
         if vocab_size is not None and n != vocab_size:
             raise InvalidRequest(f"{what}: dense distribution has {n} values, the vocabulary has {vocab_size}")
+        _check_sum(values, what)
         return probs
     if len(msg.ids) != n:
         raise InvalidRequest(f"{what}: {len(msg.ids)} ids but {n} probabilities")
@@ -112,7 +116,16 @@ def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: s
         raise InvalidRequest(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     if n > 1 and not np.diff(np.sort(ids)).all():  # a repeat sorts next to itself
         raise InvalidRequest(f"{what}: ids are not unique")
+    _check_sum(values, what)
     return SparseDist(ids=torch.from_numpy(ids), probs=probs)
+
+
+def _check_sum(values: np.ndarray, what: str) -> None:
+    """The acceptance test reads q(y) as a probability: a q that does not sum to 1
+    would silently bias it. A normalised q's float32 rounding is far inside this."""
+    total = float(values.sum(dtype=np.float64))
+    if abs(total - 1.0) > _SUM_TOLERANCE:
+        raise InvalidRequest(f"{what}: probabilities must sum to 1, got {total:.6g}")
 
 
 def dist_prob(q: Distribution, token: int) -> float:

@@ -30,6 +30,7 @@ STREAM_ACCEPT = 2  # the target's accept/reject draw for a draft at a position
 STREAM_TARGET = 3  # the target's correction or bonus sample at a position
 
 _MASK64 = (1 << 64) - 1
+_F32_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +78,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     top-k and top-p. Rows are processed independently. Not for greedy decoding."""
     x = logits.float()
     # Subtracting the max first keeps a tiny temperature from overflowing to inf
-    # (softmax is unchanged by the shift).
-    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
+    # (softmax is unchanged by the shift). A temperature below float32's smallest
+    # normal number would round to 0 and make 0/0: it is as greedy as that number.
+    temperature = max(params.temperature, _F32_TINY)
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -50,6 +50,9 @@ def test_distributions_round_trip_exactly():
     (pc.dist_to_proto(torch.full((49,), 1 / 49)), "49 values, the vocabulary has 50"),
     (pc.dist_to_proto(torch.tensor([float("nan")] * 50)), "finite"),
     (pc.dist_to_proto(torch.zeros(50)), "all probabilities are 0"),
+    (pc.dist_to_proto(torch.full((50,), 1 / 25)), "must sum to 1, got 2"),
+    (pb.Distribution(ids=[3, 4], probs=pc.dist_to_proto(torch.tensor([0.5, 0.4])).probs), "must sum to 1, got 0.9"),
+    (pc.dist_to_proto(torch.full((50,), 3.4e38)), "sum to 1, got 1.7e"),  # each finite, the total is not in float32
 ])
 def test_bad_distributions_are_invalid_requests(msg, words):
     with pytest.raises(InvalidRequest, match=words):

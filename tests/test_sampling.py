@@ -162,8 +162,9 @@ def test_truncate_top_k_sends_no_zero_probabilities():
         assert int(sparse.ids[sample(sparse.probs, u)]) == sample(probs, u)
 
 
-def test_tiny_temperature_is_greedy_not_nan():
+@pytest.mark.parametrize("temperature", [1e-38, 1e-46, 5e-324])  # the last two are 0 in float32
+def test_tiny_temperature_is_greedy_not_nan(temperature):
     logits = torch.tensor([1.0, 3.0, 2.0])
-    probs = process_logits(logits, SamplingParams(temperature=1e-38))
+    probs = process_logits(logits, SamplingParams(temperature=temperature, top_p=0.9))
     assert probs.tolist() == [0.0, 1.0, 0.0]
     assert sample(probs, 0.999) == 1
