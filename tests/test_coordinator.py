@@ -465,6 +465,18 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
         engine.close()
 
 
+def test_the_first_request_teaches_the_next_ones_nothing(fakes):
+    """Its rounds ran the slow first calls; from the second request on, an
+    adaptive request leaves what it learnt to the next one of its regime."""
+    _, _, make_engine = fakes
+    engine = make_engine()
+    run(engine, prompt_ids=[1, 2, 3], max_new_tokens=12, gamma_policy="adaptive")
+    assert engine._learned_adaptive == {}
+    run(engine, prompt_ids=[1, 2, 3], max_new_tokens=12, gamma_policy="adaptive")
+    (learned,) = engine._learned_adaptive.values()
+    assert learned.cost() is not None
+
+
 def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_path):
     from coordinator.server import tokenizer_dir
 
