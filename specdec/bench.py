@@ -99,7 +99,7 @@ def run_ours(dec, prompt, new_tokens, sampling, policy, totals: Totals) -> None:
 
 def run_hf_assisted(target, draft, prompt, new_tokens, sampling, schedule: str, totals: Totals) -> None:
     """Hugging Face assisted generation with the same models, in this process."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     kwargs = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
     if not sampling.greedy:
@@ -150,18 +150,20 @@ class Processes:
                 child.kill()
 
 
-def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float]) -> dict[tuple[float, bool], str]:
-    """Draft and target once; per RTT a coordinator (through netem proxies when
-    RTT > 0); with 0 ms among the RTTs also a draft service started with
-    --no-draft-ahead and its coordinator. Returns {(rtt_ms, draft_ahead):
-    coordinator address}."""
+def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float],
+                  devices: dict[str, str]) -> dict[tuple[float, bool], str]:
+    """Draft and target once, on ``devices["draft"]`` and ``devices["target"]``;
+    per RTT a coordinator (through netem proxies when RTT > 0); with 0 ms among
+    the RTTs also a draft service started with --no-draft-ahead and its
+    coordinator. Returns {(rtt_ms, draft_ahead): coordinator address}."""
     draft_port, plain_draft_port, target_port = free_port(), free_port(), free_port()
-    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
+    draft_args = ["draft-service", "--model", str(draft_dir), "--device", devices["draft"]]
+    procs.start("draft", [*draft_args, "--port", str(draft_port)], core=DRAFT_CORE)
     if 0.0 in rtts:
-        procs.start("draft-no-ahead", ["draft-service", "--model", str(draft_dir), "--port", str(plain_draft_port),
-                                       "--no-draft-ahead"], core=DRAFT_CORE)
-    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
-                core=TARGET_CORE)
+        procs.start("draft-no-ahead", [*draft_args, "--port", str(plain_draft_port), "--no-draft-ahead"],
+                    core=DRAFT_CORE)
+    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port),
+                           "--device", devices["target"]], core=TARGET_CORE)
     target_addr = f"127.0.0.1:{target_port}"
     coordinators = {}
     for rtt, ahead in [(rtt, True) for rtt in rtts] + ([(0.0, False)] if 0.0 in rtts else []):
@@ -212,6 +214,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per completion (default 96, quick 64)")
     p.add_argument("--rtts", default=None, help="added RTTs in ms (default 0,2,10,30; quick 0,10,30)")
     p.add_argument("--modes", default="greedy,sampling", help="greedy and/or sampling")
+    p.add_argument("--device-target", default="cpu", help="torch device of the target model, in process and as a "
+                   "service (default cpu), e.g. cuda:0")
+    p.add_argument("--device-draft", default=None, help="torch device of the draft model (default: the target's)")
 
 
 def plan(args) -> tuple[list[Config], list[float]]:
@@ -251,17 +256,18 @@ def run(args: argparse.Namespace) -> int:
     n_prompts = args.prompts or (4 if args.quick else 8)
     new_tokens = args.new_tokens or (64 if args.quick else 96)
     configs, rtts = plan(args)
+    devices = {"target": args.device_target, "draft": args.device_draft or args.device_target}
 
     torch.set_num_threads(1)
     all_cores = os.sched_getaffinity(0)
-    dec = SpeculativeDecoder(target_dir, draft_dir)
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    dec = SpeculativeDecoder(target_dir, draft_dir, device=devices["target"], draft_device=devices["draft"])
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(devices["target"])
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval().to(devices["draft"])
     prompts = make_prompts(held_out_streams(dec.tokenizer), n_prompts, 128, new_tokens, seed=0)
 
     procs = Processes(out_dir)
     try:
-        coordinators = start_cluster(procs, target_dir, draft_dir, rtts)
+        coordinators = start_cluster(procs, target_dir, draft_dir, rtts, devices)
         clients = {key: Client(addr, timeout=300) for key, addr in coordinators.items()}
         for c in clients.values():
             c.wait_ready(120)
@@ -295,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
         os.sched_setaffinity(0, all_cores)
 
     record = {"command": " ".join(["specdec", "bench", *sys.argv[2:]]), "prompts": n_prompts,
-              "new_tokens": new_tokens, "target": str(target_dir), "draft": str(draft_dir), "results": results}
+              "new_tokens": new_tokens, "target": str(target_dir), "draft": str(draft_dir), "devices": devices,
+              "results": results}
     (out_dir / "results.json").write_text(json.dumps(record, indent=2))
     markdown = format_markdown(record)
     (out_dir / "results.md").write_text(markdown)
@@ -332,7 +339,9 @@ def _fmt(x, spec):
 
 
 def format_markdown(record: dict) -> str:
-    lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × {record['new_tokens']} tokens.", ""]
+    devices = record.get("devices", {"target": "cpu", "draft": "cpu"})
+    lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × {record['new_tokens']} tokens; "
+             f"target on {devices['target']}, draft on {devices['draft']}.", ""]
     for mode, rows in record["results"].items():
         lines += [f"### {mode}", "",
                   "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round | draft | target | network | cores |",

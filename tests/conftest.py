@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from tiny_models import make_noisy_copy, make_tiny_llama  # noqa: E402
+from tiny_models import TEST_DEVICE, make_noisy_copy, make_tiny_llama  # noqa: E402
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -15,6 +15,14 @@ hf_logging.disable_progress_bar()
 # Tiny models are slower with threads than without, and CI has 2 cores shared with
 # the service processes the e2e tests start.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the model-running tests put their models: SPECDEC_TEST_DEVICE, default cpu."""
+    from specdec.model_runner import parse_device
+
+    return str(parse_device(TEST_DEVICE))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import grpc
 
 from specdec.config import ServiceConfig
 from specdec.model_service import RunningService, start_model_service
+from tiny_models import TEST_DEVICE
 
 
 class LoopThread:
@@ -35,7 +36,7 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
         from draft_service.servicer import add_to_server
     else:
         from target_service.servicer import add_to_server
-    config = ServiceConfig.load(role, {"model": str(model), "host": "127.0.0.1", "port": 0, **overrides}, environ={})
+    config = ServiceConfig.load(role, {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}, environ={})
     service, _ = loop.call(start_model_service(config, add_to_server))
     return service
 

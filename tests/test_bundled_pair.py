@@ -99,10 +99,10 @@ def test_every_model_file_is_package_data():
 
 
 @pytest.fixture(scope="module")
-def decoder():
+def decoder(device):
     from specdec import SpeculativeDecoder
 
-    return SpeculativeDecoder(target=bundled.target_path(), draft=bundled.draft_path())
+    return SpeculativeDecoder(target=bundled.target_path(), draft=bundled.draft_path(), device=device)
 
 
 PROMPTS = [

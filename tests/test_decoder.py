@@ -9,11 +9,11 @@ PROMPTS = [[1], [5, 9, 30], [1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [31, 0, 16, 8, 2],
 
 
 @pytest.fixture(scope="module")
-def decoders(tiny_pair):
+def decoders(tiny_pair, device):
     target, close, far = tiny_pair
     return {
-        "close": SpeculativeDecoder(target, close),
-        "far": SpeculativeDecoder(target, far),
+        "close": SpeculativeDecoder(target, close, device=device),
+        "far": SpeculativeDecoder(target, far, device=device),
     }
 
 
@@ -42,8 +42,8 @@ def test_drafts_agree_often_and_rarely(decoders):
     assert rate(far) < 0.3
 
 
-def test_target_only_paths_agree(tiny_pair, reference):
-    alone = SpeculativeDecoder(tiny_pair[0])  # draft=None
+def test_target_only_paths_agree(tiny_pair, reference, device):
+    alone = SpeculativeDecoder(tiny_pair[0], device=device)  # draft=None
     for prompt in PROMPTS:
         assert alone.generate(prompt, max_new_tokens=40, gamma=4).token_ids == reference[tuple(prompt)]
 
@@ -56,9 +56,9 @@ def test_max_new_tokens_mid_round(decoders, reference, max_new):
         assert out.finish_reason == "length"
 
 
-def test_eos_inside_accepted_drafts_ends_generation(tiny_pair, reference):
+def test_eos_inside_accepted_drafts_ends_generation(tiny_pair, reference, device):
     target, close, _ = tiny_pair
-    dec = SpeculativeDecoder(target, close)
+    dec = SpeculativeDecoder(target, close, device=device)
     prompt = PROMPTS[2]
     ref = reference[tuple(prompt)]
     eos = ref[9]

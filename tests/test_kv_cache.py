@@ -8,8 +8,8 @@ from specdec.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_pair):
-    return ModelRunner(tiny_pair[0])
+def runner(tiny_pair, device):
+    return ModelRunner(tiny_pair[0], device)
 
 
 def fresh_logits(runner, tokens, last):

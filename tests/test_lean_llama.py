@@ -16,6 +16,7 @@ from specdec.config import ServiceConfig
 from specdec.lean_llama import LeanCache, LeanLlama, unsupported_reason
 from specdec.model_runner import ModelRunner
 from specdec.model_service import ModelHost
+from tiny_models import TEST_DEVICE
 
 
 def tiny_llama(**overrides) -> LlamaForCausalLM:
@@ -23,12 +24,13 @@ def tiny_llama(**overrides) -> LlamaForCausalLM:
     config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=600)
     config.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+    return LlamaForCausalLM(LlamaConfig(**config)).eval().to(TEST_DEVICE)
 
 
 def run_both(hf, lean, hf_cache, lean_cache, ids, keep):
-    hf_logits = kv_cache.forward(hf, torch.tensor([ids]), hf_cache, keep)
-    lean_logits = kv_cache.forward(lean, torch.tensor([ids]), lean_cache, keep)
+    ids = torch.tensor([ids], device=TEST_DEVICE)
+    hf_logits = kv_cache.forward(hf, ids, hf_cache, keep)
+    lean_logits = kv_cache.forward(lean, ids, lean_cache, keep)
     torch.testing.assert_close(lean_logits, hf_logits, rtol=1e-5, atol=1e-5)
     assert kv_cache.cache_length(lean_cache) == kv_cache.cache_length(hf_cache)
 
@@ -61,8 +63,8 @@ def test_logits_match_hugging_face_through_the_decoders_cache_operations(overrid
 
 
 def test_the_bundled_draft_runs_lean_and_matches():
-    hf = ModelRunner(bundled.draft_path())
-    lean = ModelRunner(bundled.draft_path(), lean=True)
+    hf = ModelRunner(bundled.draft_path(), TEST_DEVICE)
+    lean = ModelRunner(bundled.draft_path(), TEST_DEVICE, lean=True)
     assert lean.lean and not hf.lean
     a, b = hf.new_sequence(), lean.new_sequence()
     for seq in (a, b):

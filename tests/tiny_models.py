@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+# The torch device the model-running tests use: cpu here and in CI; a GPU check
+# runs the same tests with SPECDEC_TEST_DEVICE=cuda:0 (docs/gpu-check.md).
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 
 def make_tiny_llama(
