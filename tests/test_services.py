@@ -172,14 +172,14 @@ def test_not_found_after_end_session(stubs):
     assert verify(target_stub, sid, 0, PROMPT, []).timing.computed_tokens == len(PROMPT)
 
 
-def test_evicted_session_answers_not_found_and_info_counts(stubs):
+def test_evicted_session_answers_not_found_and_info_counts(stubs, device):
     _, target_stub = stubs
     sids = [new_session() for _ in range(5)]  # the services hold at most 4
     for sid in sids:
         verify(target_stub, sid, 0, PROMPT, [])
     info = target_stub.GetModelInfo(pb.ModelInfoRequest())
     assert info.active_sessions == 4 and info.cached_tokens == 4 * (len(PROMPT) + 1)
-    assert (info.vocab_size, info.max_context, info.device) == (32, 128, "cpu")
+    assert (info.vocab_size, info.max_context, info.device) == (32, 128, device)
     with pytest.raises(grpc.RpcError) as e:
         verify(target_stub, sids[0], len(PROMPT) + 1, [], [])
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -85,15 +85,17 @@ def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
     return {role: share if role in on_cpu else None for role in devices}
 
 
-def draft_shares_target_device(devices: dict[str, str], cpus: dict[str, set[int]] | None = None) -> bool:
-    """Whether the draft would compete with the target for compute: the same
-    accelerator, or CPUs with fewer than two cores between them. Drafting ahead
-    only pays with a device (or a core) of its own."""
-    if devices["draft"].startswith("cpu") and devices["target"].startswith("cpu"):
-        allowed = os.sched_getaffinity(0)
-        cores = (cpus or {}).get("draft", allowed) | (cpus or {}).get("target", allowed)
-        return len(cores) < 2
-    return devices["draft"] == devices["target"]
+def draft_shares_target_cores(cpus: dict[str, set[int]] | None = None) -> bool:
+    """Whether drafting ahead would take compute from the target's verification:
+    when the two services' processes have fewer than two CPU cores between them.
+    Python drives each model's passes from a core, on a GPU too, so that core is
+    what the two compete for. One GPU shared by both is no reason: with the
+    bundled pair on one H200, drafting ahead raised greedy static:4 from 1.03× to
+    1.67× target-only (docs/gpu-check.md); a small draft's kernels fit between
+    the target's."""
+    allowed = os.sched_getaffinity(0)
+    cores = (cpus or {}).get("draft", allowed) | (cpus or {}).get("target", allowed)
+    return len(cores) < 2
 
 
 def child_env(threads: int | None = None) -> dict[str, str]:
@@ -139,7 +141,7 @@ class Stack:
         kw = dict(stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         threads = cpu_threads(devices)
         draft_env = child_env(threads["draft"])
-        if draft_shares_target_device(devices, cpus) and not set(DRAFT_AHEAD_ENV) & set(draft_env):
+        if draft_shares_target_cores(cpus) and not set(DRAFT_AHEAD_ENV) & set(draft_env):
             draft_env[DRAFT_AHEAD_ENV[0]] = "0"  # it would take compute from the target's verification
         envs = {"draft": draft_env, "target": child_env(threads["target"])}
 
