@@ -51,9 +51,9 @@ def stubs(services):
 
 
 @pytest.fixture(scope="module")
-def local(tiny_pair):
+def local(tiny_pair, device):
     target_dir, draft_dir, _ = tiny_pair
-    return ModelRunner(target_dir), ModelRunner(draft_dir)
+    return ModelRunner(target_dir, device), ModelRunner(draft_dir, device)
 
 
 _ids = iter(range(10**6))

@@ -87,12 +87,15 @@ def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
 
 def draft_shares_target_cores(cpus: dict[str, set[int]] | None = None) -> bool:
     """Whether drafting ahead would take compute from the target's verification:
-    when the two services' processes have fewer than two CPU cores between them.
-    Python drives each model's passes from a core, on a GPU too, so that core is
-    what the two compete for. One GPU shared by both is no reason: with the
-    bundled pair on one H200, drafting ahead raised greedy static:4 from 1.03× to
-    1.67× target-only (docs/gpu-check.md); a small draft's kernels fit between
-    the target's."""
+    when the two services' processes have fewer than two CPU cores between them,
+    whatever their devices. Python drives each model's passes from a core, on a
+    GPU too, so that core is what the two compete for.
+
+    One GPU shared by both is not counted. With the bundled pair on one H200,
+    drafting ahead raised greedy static:4 from 1.03x to 1.67x target-only and
+    adaptive from 1.62x to 1.96x (docs/gpu-check.md, one run). A small model's
+    kernels leave the GPU idle between launches. A target that keeps the GPU busy
+    may differ: measure, or start the draft service with --no-draft-ahead."""
     allowed = os.sched_getaffinity(0)
     cores = (cpus or {}).get("draft", allowed) | (cpus or {}).get("target", allowed)
     return len(cores) < 2
