@@ -285,16 +285,15 @@ def run(args: argparse.Namespace) -> int:
             else:
                 run_distributed(clients[c.rtt_ms, c.draft_ahead], prompt, tokens, sampling, c.policy, totals)
 
-        # One short untimed request per configuration and mode first, with a policy
-        # of its own: a path's first calls in a process (on a GPU, its lazy kernel
-        # loading too) are then not charged to whichever row the shuffle puts first.
         def fresh_policy(c: Config):
             return parse_gamma_policy(c.policy, 16) if c.kind in ("in-process", "target-only") else None
 
-        for mode in modes:
-            for c in configs:
-                run_config(c, prompts[0], 8, SamplingParams() if mode == "greedy" else
-                           SamplingParams(temperature=0.8, top_p=0.95, seed=0), fresh_policy(c), Totals())
+        # One short untimed request per configuration first, with a policy of its
+        # own: a path's first calls in a process (on a GPU, its lazy kernel loading
+        # too) are then not charged to whichever row the shuffle puts first.
+        warm_up = SamplingParams() if modes[0] == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=0)
+        for c in configs:
+            run_config(c, prompts[0], 8, warm_up, fresh_policy(c), Totals())
         results = {}
         for mode in modes:
             totals = {c: Totals() for c in configs}
