@@ -14,7 +14,8 @@ On the bundled pair and held-out code prompts, greedy and sampling:
 Every configuration runs on every prompt, and the order of configurations is
 reshuffled per prompt, so that a slow spell on a shared machine is spread over
 all rows rather than charged to one. Each configuration first serves one short
-untimed request, so that no row pays a process's first calls. Ratios, not absolute numbers, are the point.
+untimed request, so that no row pays a process's first calls. Ratios, not
+absolute numbers, are the point.
 Writes JSON, a Markdown table and a PNG plot (speedup vs RTT, a line per policy).
 """
 
@@ -354,8 +355,8 @@ def _fmt(x, spec):
 
 def format_markdown(record: dict) -> str:
     devices = record.get("devices", {"target": "cpu", "draft": "cpu"})
-    lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × {record['new_tokens']} tokens; "
-             f"target on {devices['target']}, draft on {devices['draft']}.", ""]
+    lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × "
+             f"{record['new_tokens']} tokens; target on {devices['target']}, draft on {devices['draft']}.", ""]
     for mode, rows in record["results"].items():
         lines += [f"### {mode}", "",
                   "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round | draft | target | network | cores |",

@@ -36,7 +36,8 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
         from draft_service.servicer import add_to_server
     else:
         from target_service.servicer import add_to_server
-    config = ServiceConfig.load(role, {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}, environ={})
+    values = {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}
+    config = ServiceConfig.load(role, values, environ={})
     service, _ = loop.call(start_model_service(config, add_to_server))
     return service
 
