@@ -183,8 +183,10 @@ class RemoteProposer:
             try:
                 with self.client.calls.call("Propose") as call:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
-                    for message in self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
-                                                            metadata=call.metadata):
+                    messages = self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
+                                                        metadata=call.metadata)
+                    call.while_waiting()  # the draft computes: the last round's telemetry now
+                    for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete
                             call.record(self._account(message.timing, gamma, retries.refilled,

@@ -48,15 +48,16 @@ _UNSET = Status(StatusCode.UNSET)
 
 
 def start_span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping | None = None,
-               context: Context | None = None, tracer: trace.Tracer | None = None) -> trace.Span:
-    """``tracer.start_span(name, context, kind, attributes)``, cheaper: a
+               context: Context | None = None, tracer: trace.Tracer | None = None,
+               start_time: int | None = None) -> trace.Span:
+    """``tracer.start_span(name, context, kind, attributes, start_time)``, cheaper: a
     :class:`LightSpan` for a recorded child span of an SDK tracer; otherwise
     whatever the tracer makes. ``tracer``: specdec's (:func:`specdec.tracing.tracer`)
     unless given. Not made current (``trace.use_span`` does that, as for the SDK's)."""
     tracer = tracer or tracing.tracer()
     parent = trace.get_current_span(context).get_span_context()
     if not parent.is_valid or not _plain_sdk_tracer(tracer):
-        return tracer.start_span(name, context=context, kind=kind, attributes=attributes)
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     # As in the SDK's Tracer.start_span for a span with a parent.
     sampling = tracer.sampler.should_sample(context, parent.trace_id, name, kind, attributes, ())
     flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
@@ -66,7 +67,7 @@ def start_span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, attributes: Map
                                trace_flags=TraceFlags(flags), trace_state=sampling.trace_state)
     if not sampling.decision.is_recording():
         return trace.NonRecordingSpan(span_context)
-    span = LightSpan(tracer, name, kind, span_context, parent)
+    span = LightSpan(tracer, name, kind, span_context, parent, start_time)
     if sampling.attributes:
         span.set_attributes(sampling.attributes)
     tracer.span_processor.on_start(span, parent_context=context)
@@ -88,13 +89,13 @@ class LightSpan(trace.Span):
                  "_status", "_start_time", "_end_time", "_dropped")
 
     def __init__(self, tracer: sdk_trace.Tracer, name: str, kind: SpanKind, context: SpanContext,
-                 parent: SpanContext | None):
+                 parent: SpanContext | None, start_time: int | None = None):
         self._tracer, self._name, self._kind, self._context, self._parent = tracer, name, kind, context, parent
         self._attributes: dict = {}
         self._events: list = []
         self._links: list = []
         self._status = _UNSET
-        self._start_time = time_ns()
+        self._start_time = start_time if start_time is not None else time_ns()
         self._end_time: int | None = None
         self._dropped = 0  # attributes the SDK's cleaning dropped (bad keys)
 

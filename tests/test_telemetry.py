@@ -5,6 +5,7 @@ metrics over HTTP, and ``specdec trace-report`` on a recorded file."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import grpc
@@ -142,6 +143,53 @@ def test_round_span_splits_the_round_into_phases(provider):
                                 "specdec.target.queue_s", "specdec.draft.network_s", "specdec.target.network_s",
                                 "specdec.coordinator_s"))
     assert phases == pytest.approx(a["specdec.round_s"], abs=1e-9) or a["specdec.coordinator_s"] == 0
+
+
+def test_a_rounds_telemetry_waits_for_the_next_call_and_keeps_its_times(provider, caplog):
+    """Inside a generation, a round's attributes, metrics and span ends wait
+    until the next call is on its way (``Call.while_waiting``) or the
+    generation ends; what they record is the round's own times."""
+    metrics = CoordinatorMetrics()
+    observer = telemetry.RoundObserver(metrics)
+    calls = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
+    seen = {}
+
+    def finished():
+        return sorted(s.name for s in provider.memory.get_finished_spans())
+
+    def events():
+        for index in range(2):
+            with observer.round(index) as scope:
+                with calls.call("Propose") as call:
+                    seen[f"before wait {index}"] = finished()
+                    call.while_waiting()
+                    seen[f"after wait {index}"] = finished()
+                scope.done(_result(gamma=4, accepted=2))
+            seen[f"ended {index}"] = time.time_ns()
+            telemetry.later(lambda: 1 / 0)  # put-off work that fails is logged, never raised
+            yield index
+            time.sleep(0.02)
+        yield type("Stats", (), {"generated_tokens": 6, "finish_reason": "length", "rounds": 2,
+                                 "drafted_tokens": 8, "accepted_tokens": 4})()
+
+    list(telemetry.observe_generation(events(), metrics=metrics, model="m", max_tokens=6, temperature=0.0,
+                                      input_tokens=3, conversation_id="c"))
+    assert seen["before wait 0"] == seen["after wait 0"] == []
+    assert seen["before wait 1"] == [] and seen["after wait 1"] == ["/specdec.v1.DraftService/Propose",
+                                                                     "specdec.round"]
+    rounds = sorted((s for s in provider.memory.get_finished_spans() if s.name == "specdec.round"),
+                    key=lambda s: s.start_time)
+    assert [r.attributes["specdec.round"] for r in rounds] == [0, 1]
+    assert rounds[0].end_time <= seen["ended 0"] < rounds[1].start_time  # not when the span was handed on
+    assert [s.name for s in provider.memory.get_finished_spans()][-1] == "text_completion m"  # the rounds first
+    assert metrics.registry.get_sample_value("specdec_spec_decode_num_drafts_total") == 2
+    assert caplog.text.count("ZeroDivisionError") == 2
+
+
+def test_outside_a_generation_telemetry_is_not_put_off(provider):
+    ran = []
+    telemetry.later(ran.append, 1)
+    assert ran == [1]
 
 
 def test_network_time_is_never_negative():
@@ -447,9 +495,9 @@ def test_client_call_spans_say_how_a_call_ended_early(provider):
 # ---------------------------------------------------------------- the services' SERVER spans
 
 
-def _serve_and_call(calls, metrics=None):
-    """A GrpcServer with the interceptors a service process installs (the
-    ServerObserver, which maps errors too, or else a plain ErrorInterceptor),
+def _serve_and_call(calls, metrics=None, role="target"):
+    """A GrpcServer with the interceptors a ``role`` service process installs
+    (the ServerObserver, which maps errors too, or else a plain ErrorInterceptor),
     a fake Verify and a streaming Propose on a loopback port;
     ``calls(verify, propose, channel)`` runs against it. Each handler records
     the span that was current while it ran. ``metrics``: a ServiceMetrics for
@@ -490,7 +538,7 @@ def _serve_and_call(calls, metrics=None):
 
     async def main():
         server = GrpcServer(["specdec.v1.TargetService"],
-                            interceptors=telemetry.ServiceTelemetry("target", metrics).server_interceptors())
+                            interceptors=telemetry.ServiceTelemetry(role, metrics).server_interceptors())
         server.server.add_generic_rpc_handlers((handler,))
         port = server.bind("127.0.0.1", 0)
         await server.server.start()
@@ -514,7 +562,14 @@ def _traceparent(trace_id: int, span_id: int, sampled: bool):
     return (("traceparent", f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"),)
 
 
-def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
+# The coordinator's SERVER span is current while Generate runs (its spans are
+# children); the model services' handlers make no spans, so theirs is made
+# once the reply has gone.
+SERVER_ROLES = ["coordinator", "target"]
+
+
+@pytest.mark.parametrize("role", SERVER_ROLES)
+def test_server_span_is_the_callers_child(provider, role):
     from specdec.proto import specdec_pb2 as pb
 
     async def calls(verify, propose, channel):
@@ -522,8 +577,10 @@ def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
         assert len([m async for m in propose(pb.ProposeRequest(), metadata=_traceparent(0xABC, 0x456, True))]) == 2
         await verify(pb.VerifyRequest(session_id="s"))  # no caller context: a root span
 
-    seen = _serve_and_call(calls)
+    before = time.time_ns()
+    seen = _serve_and_call(calls, role=role)
     verify, propose, root = sorted(provider.memory.get_finished_spans(), key=lambda s: s.start_time)
+    assert before < verify.start_time < verify.end_time < propose.start_time < propose.end_time < root.start_time
     assert [s.kind for s in (verify, propose, root)] == [trace.SpanKind.SERVER] * 3
     assert (verify.context.trace_id, verify.parent.span_id, verify.parent.is_remote) == (0xABC, 0x123, True)
     assert (propose.context.trace_id, propose.parent.span_id) == (0xABC, 0x456)
@@ -533,19 +590,47 @@ def test_server_span_is_the_callers_child_and_current_in_the_handler(provider):
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"], a["rpc.grpc.status_code"]) == \
         ("grpc", "specdec.v1.TargetService", "Verify", 0)
     assert a["net.peer.ip"] == "127.0.0.1" and a["net.peer.port"] > 0  # which caller
-    # The handler ran inside the SERVER span (spans it starts are its children).
-    assert [s.get_span_context().span_id for s in seen] == [s.context.span_id for s in (verify, propose, root)]
+    if role == "coordinator":  # the handler ran inside the SERVER span (spans it starts are its children)
+        assert [s.get_span_context().span_id for s in seen] == [s.context.span_id for s in (verify, propose, root)]
+    else:
+        assert seen == [trace.INVALID_SPAN] * 3
 
 
-def test_unsampled_callers_get_no_server_span(provider):
+@pytest.mark.parametrize("role", SERVER_ROLES)
+def test_unsampled_callers_get_no_server_span(provider, role):
     from specdec.proto import specdec_pb2 as pb
 
     async def calls(verify, propose, channel):
         await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=False))
 
-    (current,) = _serve_and_call(calls)
+    (current,) = _serve_and_call(calls, role=role)
     assert provider.memory.get_finished_spans() == ()
-    assert not current.is_recording() and current.get_span_context().trace_id == 0xABC
+    assert not current.is_recording()
+    assert current.get_span_context().trace_id == (0xABC if role == "coordinator" else 0)
+
+
+def test_a_model_services_span_is_made_after_its_reply(provider, monkeypatch):
+    """The span is made at the event loop's next turn, after the reply has been
+    handed to grpc, and carries the call's own start and end times."""
+    import asyncio
+
+    from specdec import light_spans
+    from specdec.proto import specdec_pb2 as pb
+
+    made = []
+    real = light_spans.start_span
+    monkeypatch.setattr(light_spans, "start_span", lambda *a, **k: made.append(time.time_ns()) or real(*a, **k))
+    replies = []
+
+    async def calls(verify, propose, channel):
+        await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, sampled=True))
+        replies.append(time.time_ns())
+        await asyncio.sleep(0.2)
+
+    _serve_and_call(calls)
+    (span,) = provider.memory.get_finished_spans()
+    assert span.start_time < span.end_time < made[0]  # the call's times, not the moment the span was made
+    assert span.end_time < replies[0]
 
 
 @pytest.mark.parametrize("peer, attributes", [
@@ -558,7 +643,8 @@ def test_peer_address_attributes(peer, attributes):
     assert telemetry._peer_attributes(peer) == attributes
 
 
-def test_failed_calls_mark_the_server_span(provider):
+@pytest.mark.parametrize("role", SERVER_ROLES)
+def test_failed_calls_mark_the_server_span(provider, role):
     from specdec.proto import specdec_pb2 as pb
 
     async def calls(verify, propose, channel):
@@ -570,7 +656,7 @@ def test_failed_calls_mark_the_server_span(provider):
             [m async for m in propose(pb.ProposeRequest(session_id="bad"), metadata=_traceparent(0xABC, 0x1, True))]
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "above the limit" in failed.value.details()
 
-    _serve_and_call(calls)
+    _serve_and_call(calls, role=role)
     bad, bug, bad_stream = sorted(provider.memory.get_finished_spans(), key=lambda s: s.start_time)
     assert all(s.parent is not None and s.context.trace_id == 0xABC for s in (bad, bug, bad_stream))
     assert bad_stream.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -613,8 +699,9 @@ def test_the_observer_is_the_servers_one_error_interceptor():
 
 
 def test_the_observers_own_failure_is_answered_internal(provider, monkeypatch):
-    """A bug in the observer itself (here: making the span) is a status the
-    client can read, INTERNAL, as every other bug, not grpc's UNKNOWN."""
+    """A bug in the observer itself (here: making the span current in the
+    coordinator) is a status the client can read, INTERNAL, as every other
+    bug, not grpc's UNKNOWN."""
     from specdec import light_spans
     from specdec.proto import specdec_pb2 as pb
 
@@ -630,7 +717,26 @@ def test_the_observers_own_failure_is_answered_internal(provider, monkeypatch):
                 await call
             assert failed.value.code() == grpc.StatusCode.INTERNAL and "sampler bug" in failed.value.details()
 
-    assert _serve_and_call(calls) == []  # the handlers never ran
+    assert _serve_and_call(calls, role="coordinator") == []  # the handlers never ran
+
+
+def test_a_span_that_cannot_be_made_after_the_reply_is_logged(provider, monkeypatch, caplog):
+    """In a model service the span is made after the reply: the call succeeds,
+    and the lost span is logged."""
+    from specdec import light_spans
+    from specdec.proto import specdec_pb2 as pb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler bug")
+
+    monkeypatch.setattr(light_spans, "start_span", broken)
+
+    async def calls(verify, propose, channel):
+        assert (await verify(pb.VerifyRequest(session_id="s"), metadata=_traceparent(0xABC, 0x123, True))).accepted == 1
+        assert len([m async for m in propose(pb.ProposeRequest(), metadata=_traceparent(0xABC, 0x123, True))]) == 2
+
+    assert len(_serve_and_call(calls)) == 2
+    assert caplog.text.count("could not be made") == 2 and "sampler bug" in caplog.text
 
 
 def test_a_stream_cancelled_mid_send_ends_its_span_cleanly(provider, caplog):
