@@ -32,3 +32,13 @@ def test_report_compares_modes_per_round_and_shows_the_noise_floor(capsys):
     assert "mean 0.950 ± 0.000" in out
     assert "the off stacks' medians differ by 2.0%" in out
     assert "coordinator 1.30 -> 1.56" in out
+
+
+def test_the_default_layout_gives_each_service_its_own_core_where_there_are_two(monkeypatch):
+    from specdec.cli import bench_tracing
+
+    monkeypatch.setattr(bench_tracing.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert bench_tracing.cpus_spec(None) == "per-service"
+    assert bench_tracing.cpus_spec("last") == "last"
+    monkeypatch.setattr(bench_tracing.os, "sched_getaffinity", lambda pid: {3})
+    assert bench_tracing.cpus_spec(None) == "last"

@@ -19,15 +19,16 @@ Processes are pinned (``--cpus``), because on a shared machine unpinned stacks
 land on different cores and two *identical* stacks then differ by up to 2x;
 pinned, they agree within a few %. Two layouts:
 
-* one core (``last``, the default): everything -- both stacks, the receiver,
-  this client -- on the same CPU. The most unfavourable to tracing: every
-  exporter thread and the OTLP receiver (which a real deployment runs elsewhere)
-  take time from the very core the models compute on.
-* ``per-service``: as in a deployment, each service has its own core -- in each
-  stack the draft on the first CPU, the target on the last -- and the
-  coordinator, the receiver and this client share the target's (the
-  coordinator waits while the target computes). Only one stack serves at a
-  time, so both see the same layout.
+* ``per-service`` (the default where there are two CPUs): as in a deployment,
+  each service has its own core -- in each stack the draft on the first CPU,
+  the target on the last -- and the coordinator, the receiver and this client
+  share the target's (the coordinator waits while the target computes). Only
+  one stack serves at a time, so both see the same layout.
+* one core (``last``; the default on a single CPU): everything -- both stacks,
+  the receiver, this client -- on the same CPU. The most unfavourable to
+  tracing: no tracing work is off a round's path there, and every exporter
+  thread and the OTLP receiver (which a real deployment runs elsewhere) take
+  time from the very core the models compute on.
 """
 
 from __future__ import annotations
@@ -65,10 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of requests the traced stack records (OTEL_TRACES_SAMPLER=parentbased_traceidratio; "
                         "default 1.0: every request)")
     p.add_argument("--workdir", default=None, metavar="DIR", help="logs and the trace file (default: a temp dir)")
-    p.add_argument("--cpus", default="last", metavar="LIST",
-                   help="CPUs every process is pinned to: comma-separated ids, 'last' (the highest-numbered "
-                        "CPU; default), 'per-service' (draft on the first CPU; target, coordinator, receiver "
-                        "and client on the last) or 'all' (no pinning)")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="CPUs every process is pinned to: 'per-service' (draft on the first CPU; target, "
+                        "coordinator, receiver and client on the last; the default with 2 or more CPUs), 'last' "
+                        "(everything on the highest-numbered CPU; the default with one), comma-separated ids "
+                        "or 'all' (no pinning)")
+
+
+def cpus_spec(spec: str | None) -> str:
+    """``--cpus`` as given, or its default: each service on its own core, as
+    deployed, where there are two cores."""
+    if spec:
+        return spec
+    return "per-service" if len(os.sched_getaffinity(0)) >= 2 else "last"
 
 
 def pin(spec: str) -> set[int] | None:
@@ -167,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.otlp_receiver import OtlpReceiver
 
     target, draft = model_dirs(args)
+    args.cpus = cpus_spec(args.cpus)
     roles = service_cpus(args.cpus)
     cpus = pin(args.cpus)
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="specdec-bench-tracing-"))

@@ -1,0 +1,110 @@
+"""CPU per generated token of every thread of the three services, tracing off
+against tracing on (OTLP/gRPC to a receiver in this process): which thread pays
+for tracing.
+
+Two stacks (draft, target, coordinator) start side by side from the bundled
+models, one untraced and one exporting every span, everything pinned to one
+CPU as in ``specdec bench-tracing``'s default layout. The same greedy request
+goes to each in turn (ABBA); the threads' user + system time comes from
+``/proc/<pid>/task``. Python does not name its threads for the OS, so the
+services run with a ``sitecustomize`` that does (``rounds``, ``draft-model``,
+``OtelBatchSpanRe...``; ``python`` is each process's main thread, its event loop).
+CPU time is less moved by other load than wall-clock time.
+
+    python scripts/tracing_cpu_by_thread.py --requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import tempfile
+import time
+
+NAME_THREADS = '''\
+import ctypes, threading
+_prctl = ctypes.CDLL(None).prctl
+_run = threading.Thread.run
+def run(self):
+    _prctl(15, self.name[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+    return _run(self)
+threading.Thread.run = run
+'''
+
+
+def thread_cpu(pid: int) -> dict[tuple[str, str], float]:
+    """(thread id, name without its trailing number) -> CPU seconds so far."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = re.sub(r"[_\-]?\d+$", "", f.read().strip())
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[(tid, name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def main() -> None:
+    from specdec.cli import bench_tracing
+    from specdec.cli.serve import model_dirs
+    from specdec.client import Client
+    from specdec.otlp_receiver import OtlpReceiver
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_tracing.add_arguments(parser)
+    args = parser.parse_args()
+    target, draft = model_dirs(args)
+    args.cpus = args.cpus or "last"  # one core: all of tracing's CPU is on the round's path
+    bench_tracing.pin(args.cpus)
+    site = pathlib.Path(tempfile.mkdtemp(prefix="specdec-thread-names-"))
+    (site / "sitecustomize.py").write_text(NAME_THREADS)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    receiver = OtlpReceiver(keep=False).start()
+    traced = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+                  OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="specdec-thread-cpu-"))
+    roles = bench_tracing.service_cpus(args.cpus)
+    stacks = {mode: bench_tracing._start(mode, env, args, target, draft, workdir, roles)  # noqa: SLF001
+              for mode, env in (("off", {}), ("on", traced))}
+    try:
+        for stack in stacks.values():
+            stack.wait_serving()
+        clients = {mode: Client(stack.address("coordinator")) for mode, stack in stacks.items()}
+        request = dict(max_new_tokens=args.max_new_tokens, gamma_policy=args.gamma_policy, temperature=0.0,
+                       prompt=args.prompt)
+        for mode in ("off", "on", "on", "off"):  # warm-up
+            clients[mode].complete(**request)
+        pids = {mode: {role: p.pid for role, p in stack.procs.items()} for mode, stack in stacks.items()}
+        before = {mode: {role: thread_cpu(pid) for role, pid in pids[mode].items()} for mode in pids}
+        tokens = dict.fromkeys(stacks, 0)
+        for i in range(args.requests):
+            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                tokens[mode] += clients[mode].complete(**request).stats.generated_tokens
+        time.sleep(6)  # the traced stack's last batches (every 5 s) are exported and billed
+        after = {mode: {role: thread_cpu(pid) for role, pid in pids[mode].items()} for mode in pids}
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+        receiver.stop()
+    print(f"CPU ms per generated token by thread, {args.requests} requests of {args.max_new_tokens} tokens "
+          f"per mode ({args.gamma_policy}, greedy); CPUs: {args.cpus}")
+    for role in ("coordinator", "draft", "target"):
+        by_name: dict[str, dict[str, float]] = {}
+        for mode in ("off", "on"):
+            for key, cpu in after[mode][role].items():
+                spent = cpu - before[mode][role].get(key, 0.0)
+                by_name.setdefault(key[1], dict.fromkeys(("off", "on"), 0.0))[mode] += spent
+        print(role)
+        for name, spent in sorted(by_name.items(), key=lambda kv: -max(kv[1].values())):
+            off, on = (1e3 * spent[m] / tokens[m] for m in ("off", "on"))
+            if max(off, on) >= 0.005:
+                print(f"  {name:18s} off {off:6.3f}  on {on:6.3f}  ({on - off:+.3f})")
+
+
+if __name__ == "__main__":
+    main()
