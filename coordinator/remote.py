@@ -185,7 +185,8 @@ class RemoteProposer:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
                     messages = self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
                                                         metadata=call.metadata)
-                    call.while_waiting()  # the draft computes: the last round's telemetry now
+                    # The draft computes: the last round's telemetry now, not billed to this call.
+                    started += call.while_waiting()
                     for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete

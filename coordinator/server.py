@@ -19,7 +19,8 @@ import pathlib
 
 from specdec.config import CoordinatorConfig, env_names
 from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.server import COORDINATOR_SERVICE, GrpcServer, bind_or_close, serve_until_signal, setup_logging
+from specdec.server import (COORDINATOR_SERVICE, GrpcServer, bind_or_close, freeze_startup_objects,
+                            serve_until_signal, setup_logging)
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 
 log = logging.getLogger("specdec.coordinator")
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         coordinator = await start_coordinator(config, telemetry)
+        freeze_startup_objects("coordinator")
         try:
             await serve_until_signal(coordinator.server, config.drain_grace_s)
         finally:

@@ -3,8 +3,9 @@ against tracing on (OTLP/gRPC to a receiver in this process): which thread pays
 for tracing.
 
 Two stacks (draft, target, coordinator) start side by side from the bundled
-models, one untraced and one exporting every span, everything pinned to one
-CPU as in ``specdec bench-tracing``'s default layout. The same greedy request
+models, one untraced and one exporting every span, pinned as ``--cpus`` says
+(default ``last``: everything on one CPU, where all of tracing's CPU is on the
+rounds' path; ``per-service`` as in ``specdec bench-tracing``). The same greedy request
 goes to each in turn (ABBA); the threads' user + system time comes from
 ``/proc/<pid>/task``. Python does not name its threads for the OS, so the
 services run with a ``sitecustomize`` that does (``rounds``, ``draft-model``,
@@ -36,16 +37,18 @@ threading.Thread.run = run
 
 def thread_cpu(pid: int) -> dict[tuple[str, str], float]:
     """(thread id, name without its trailing number) -> CPU seconds so far."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    from specdec.cli.bench_tracing import cpu_seconds
+
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = re.sub(r"[_\-]?\d+$", "", f.read().strip())
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended meanwhile
             continue
-        out[(tid, name)] = (int(fields[11]) + int(fields[12])) / tick
+        cpu = cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+        if cpu is not None:
+            out[(tid, name)] = cpu
     return out
 
 
@@ -55,11 +58,19 @@ def main() -> None:
     from specdec.client import Client
     from specdec.otlp_receiver import OtlpReceiver
 
+    from specdec.cli.serve import add_model_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_tracing.add_arguments(parser)
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", default="def fibonacci(n):")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=16, help="requests per mode (default 16)")
+    parser.add_argument("--gamma-policy", default="static:4")
+    parser.add_argument("--cpus", default="last", help="as specdec bench-tracing's (default: last)")
+    parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     target, draft = model_dirs(args)
-    args.cpus = args.cpus or "last"  # one core: all of tracing's CPU is on the round's path
+    roles = bench_tracing.service_cpus(args.cpus)  # before pinning: it reads the CPUs this process may use
     bench_tracing.pin(args.cpus)
     site = pathlib.Path(tempfile.mkdtemp(prefix="specdec-thread-names-"))
     (site / "sitecustomize.py").write_text(NAME_THREADS)
@@ -68,7 +79,6 @@ def main() -> None:
     traced = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="specdec-thread-cpu-"))
-    roles = bench_tracing.service_cpus(args.cpus)
     stacks = {mode: bench_tracing._start(mode, env, args, target, draft, workdir, roles)  # noqa: SLF001
               for mode, env in (("off", {}), ("on", traced))}
     try:

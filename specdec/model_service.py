@@ -35,7 +35,8 @@ from specdec.metrics import ServiceMetrics
 from specdec.model_runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.sampling import SamplingParams, SparseDist
-from specdec.server import DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, bind_or_close, serve_until_signal, setup_logging
+from specdec.server import (DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, bind_or_close, freeze_startup_objects,
+                            serve_until_signal, setup_logging)
 from specdec.sessions import SessionStore
 from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
 from specdec.timing import ServerTiming
@@ -339,11 +340,14 @@ async def start_model_service(
     runner: ModelRunner | None = None,
     wait_loaded: bool = True,
     telemetry: ServiceTelemetry | None = None,
+    freeze_after_load: bool = False,
 ) -> tuple[RunningService, asyncio.Task]:
     """Listen first (health NOT_SERVING), load the model off the event loop, then
     report SERVING. Returns the service and the loading task (already finished
     when ``wait_loaded``). ``runner`` skips loading (an already-loaded model).
-    ``telemetry`` adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
+    ``telemetry`` adds tracing/metrics interceptors and the ``/metrics`` endpoint;
+    ``freeze_after_load``: the process's objects are frozen once the model is
+    loaded (:func:`specdec.server.freeze_startup_objects`; service processes only)."""
     host = ModelHost(config)
     if telemetry is not None and isinstance(telemetry.metrics, ServiceMetrics):
         host.metrics = telemetry.metrics
@@ -364,6 +368,8 @@ async def start_model_service(
             await server.stop()
             host.close()
             raise
+        if freeze_after_load:
+            freeze_startup_objects(f"{config.role} service")
         await server.set_serving(True)
         r = host.runner
         log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
@@ -386,7 +392,8 @@ def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[Mod
         raise ValueError(f"{model} is not a model directory (no config.json){hint}")
 
     async def main() -> int:
-        service, loading = await start_model_service(config, add_servicer, wait_loaded=False, telemetry=telemetry)
+        service, loading = await start_model_service(config, add_servicer, wait_loaded=False, telemetry=telemetry,
+                                                     freeze_after_load=True)
         try:
             # A signal during loading drains too; a failed load ends the process.
             await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading))

@@ -144,8 +144,10 @@ def run_rounds(
             if gamma:
                 state.draft_synced = min(base + verdict.accepted, len(state.tokens))
             state.target_synced = len(state.tokens)
-            result = RoundResult(new, gamma, verdict.accepted, t1 - t0, t2 - t1, finish, first,
-                                 draft_behind, target_behind)
+            # Earlier rounds' telemetry, done while the draft computed, is not the draft's time.
+            paused = observed.paused_s
+            result = RoundResult(new, gamma, verdict.accepted, t1 - t0 - paused, t2 - t1, finish,
+                                 None if first is None else max(0.0, first - paused), draft_behind, target_behind)
             observed.done(result)
         gamma_policy.observe(result)
         yield result

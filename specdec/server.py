@@ -27,6 +27,7 @@ Typical use (what every service's ``run`` does)::
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import Awaitable, Iterable, Sequence
@@ -54,6 +55,22 @@ def setup_logging(level: str = "INFO") -> None:
         level=getattr(logging, str(level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def freeze_startup_objects(what: str) -> None:
+    """Put every object alive now out of the garbage collector's reach
+    (``gc.freeze``), once a service has started: the model, the libraries'
+    modules and the rest live as long as the process. A loaded model service
+    holds ~400,000 such objects, and each full collection walked them all:
+    ~230 ms of CPU on this project's machine, a stall for whichever round it
+    fell in. Afterwards a full collection walks only what came later.
+
+    Only the service processes' own ``run`` calls it: frozen objects are never
+    collected, and a test process starts and stops many services."""
+    gc.collect()  # garbage is not frozen
+    gc.freeze()
+    log.info("%s: %d objects alive after start-up frozen (the garbage collector skips them)",
+             what, gc.get_freeze_count())
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

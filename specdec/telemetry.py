@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -97,7 +98,11 @@ _CURRENT_ROUND: contextvars.ContextVar["RoundScope | None"] = contextvars.Contex
 # Inside a coordinator's generation: telemetry work (ending spans, the round's
 # attributes and metrics) waiting for the next moment the generation waits on
 # a service anyway. See later().
-_LATER: contextvars.ContextVar[list | None] = contextvars.ContextVar("specdec_later", default=None)
+_LATER: contextvars.ContextVar[collections.deque | None] = contextvars.ContextVar("specdec_later", default=None)
+# About two rounds' worth. Rounds that send no Propose (γ = 0) have no wait to
+# hide their work in: beyond this, work is done at once, so that spans and
+# metrics never wait long, nor pile up past the span processor's queue.
+LATER_MAX_ITEMS = 8
 
 
 def later(fn, *args) -> None:
@@ -108,18 +113,21 @@ def later(fn, *args) -> None:
     Why: a round's telemetry is ~100 µs of the coordinator's CPU after the
     target's reply (the round's attributes, three spans ended), and the next
     round waits for it. Done while the draft computes the next proposal, it
-    costs the round nothing. Each call carries its own timestamps, so nothing
-    recorded changes."""
+    costs the round nothing. Each call carries its own timestamps, and the time
+    the work takes is taken out of the draft's times (:meth:`Call.while_waiting`),
+    so what is recorded does not change."""
     work = _LATER.get()
     if work is None:
         fn(*args)
-    else:
-        work.append((fn, args))
+        return
+    work.append((fn, args))
+    if len(work) > LATER_MAX_ITEMS:
+        _run_later(work)
 
 
-def _run_later(work: list) -> None:
+def _run_later(work: collections.deque) -> None:
     while work:
-        fn, args = work.pop(0)
+        fn, args = work.popleft()
         try:
             fn(*args)
         except Exception:  # noqa: BLE001 -- telemetry lost is logged, never the generation's failure
@@ -129,7 +137,7 @@ def _run_later(work: list) -> None:
 _END = object()
 
 
-def _putting_off(events: Iterator, work: list) -> Iterator:
+def _putting_off(events: Iterator, work: collections.deque) -> Iterator:
     """``events``, with :func:`later` putting work into ``work`` while they make
     each event -- only then: between events the caller's context is its own."""
     while True:
@@ -204,12 +212,22 @@ class Call:
     def __init__(self, calls: ClientCalls | None, span, metadata: tuple | None):
         self._calls, self.span, self.metadata = calls, span, metadata
 
-    def while_waiting(self) -> None:
+    def while_waiting(self) -> float:
         """The call is on its way and the caller is about to wait for its reply:
-        the moment for telemetry work put off (:func:`later`)."""
+        the moment for telemetry work put off (:func:`later`). Returns the
+        seconds that work took, also added to the round's ``paused_s``: they
+        are the coordinator's, not the call's (a reply may have come meanwhile),
+        so the caller takes them out of the call's times."""
         work = _LATER.get()
-        if work:
-            _run_later(work)
+        if not work:
+            return 0.0
+        start = time.perf_counter()
+        _run_later(work)
+        spent = time.perf_counter() - start
+        scope = _CURRENT_ROUND.get()
+        if scope is not None:
+            scope.paused_s += spent
+        return spent
 
     def record(self, rec: RpcRecord) -> None:
         """The completed call, with the server's own account of it."""
@@ -249,14 +267,16 @@ def _has_timing_field(message_type: type) -> bool:
 
 
 class RoundScope:
-    """One round in progress: its span, the RPCs made inside it, and its start."""
+    """One round in progress: its span, the RPCs made inside it, its start, and
+    the time it spent on earlier rounds' telemetry (``paused_s``)."""
 
-    __slots__ = ("index", "span", "calls", "start", "_observer")
+    __slots__ = ("index", "span", "calls", "start", "paused_s", "_observer")
 
     def __init__(self, observer: "RoundObserver", index: int, span):
         self._observer, self.index, self.span = observer, index, span
         self.calls: list[RpcRecord] = []
         self.start = time.perf_counter()
+        self.paused_s = 0.0
 
     def done(self, result) -> None:
         """The round's :class:`specdec.rounds.RoundResult`: annotate and count it
@@ -275,6 +295,7 @@ class RoundScope:
 
 class _NullScope:
     calls: tuple = ()  # never current: nothing records into it
+    paused_s = 0.0
 
     def done(self, result) -> None:
         pass
@@ -298,7 +319,7 @@ class RoundObserver:
             return
         span = light_spans.start_span("specdec.round") if traced else trace.INVALID_SPAN
         try:
-            with trace.use_span(span):  # a failure is recorded on the span, which then ends
+            with trace.use_span(span) if traced else contextlib.nullcontext():  # a failure is recorded on it
                 scope = RoundScope(self, index, span)
                 token = _CURRENT_ROUND.set(scope)
                 try:
@@ -373,7 +394,7 @@ def observe_generation(events: Iterator, *, metrics: CoordinatorMetrics | None, 
     """Pass the coordinator's events through inside the generation span; the final
     event (``coordinator.engine.Stats``: it has ``generated_tokens`` and
     ``finish_reason``) sets the usage attributes and the request metrics."""
-    work: list = []  # telemetry put off (later()) until the next Propose is on its way
+    work: collections.deque = collections.deque()  # telemetry put off (later()) until the next Propose
     with tracing.generation_span(
             model=model, max_tokens=max_tokens, temperature=temperature, input_tokens=input_tokens,
             conversation_id=conversation_id, extra=extra) as span:
@@ -526,11 +547,7 @@ class ServerObserver(ErrorInterceptor):
         metadata = context.invocation_metadata()
         if self.span_after_reply:
             return _LateSpan(full_method, attributes, metadata, context.peer()), None
-        parent = propagate.extract(dict(metadata)) if metadata else None
-        span = light_spans.start_span(full_method, context=parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attributes)
-        if span.is_recording():  # which caller: several coordinators may share a service
-            span.set_attributes(_peer_attributes(context.peer()))
+        span, parent = _server_span(full_method, attributes, metadata, context.peer())
         return span, otel_context.attach(trace.set_span_in_context(span, parent))
 
     def _answered(self, span, method: str, request, timing, count: int, response) -> None:
@@ -569,6 +586,17 @@ class ServerObserver(ErrorInterceptor):
     def _finished(self, method: str, start: float, code: str | None) -> None:
         if self.metrics is not None:
             self.metrics.observe_rpc(method, time.perf_counter() - start, code)
+
+
+def _server_span(name: str, attributes: Mapping, metadata, peer: str, start_time: int | None = None):
+    """A SERVER span, child of the W3C context in the call's ``metadata``, with
+    the caller's address; and that parent context."""
+    parent = propagate.extract(dict(metadata)) if metadata else None
+    span = light_spans.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes,
+                                  start_time=start_time)
+    if span.is_recording():  # which caller: several coordinators may share a service
+        span.set_attributes(_peer_attributes(peer))
+    return span, parent
 
 
 @functools.lru_cache(maxsize=256)  # a service's callers are a few long-lived connections
@@ -627,11 +655,8 @@ class _LateSpan:
 
     def _make(self, end_ns: int) -> None:
         try:
-            parent = propagate.extract(dict(self.metadata)) if self.metadata else None
-            span = light_spans.start_span(self.name, context=parent, kind=trace.SpanKind.SERVER,
-                                          attributes=self.attributes, start_time=self.start_ns)
+            span, _ = _server_span(self.name, self.attributes, self.metadata, self.peer, self.start_ns)
             if span.is_recording():
-                span.set_attributes(_peer_attributes(self.peer))
                 if self.status is not None:
                     span.set_status(self.status)
                 if self.exception is not None:

@@ -108,6 +108,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     services = {json.loads(line)["service"] for line in trace_file.read_text().splitlines()}
     assert services == {"specdec-coordinator", "specdec-draft", "specdec-target"}  # flushed at exit
     assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
+    assert text.count("objects alive after start-up frozen") == 3  # full collections skip start-up's objects
     assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")
 
 

@@ -48,3 +48,4 @@ def test_target_service_process_serves_then_drains_on_sigterm(tiny_pair, tmp_pat
     text = open(tmp_path / "service.log").read()
     assert f"serving target model {tiny_pair[0]}" in text and f"127.0.0.1:{port}" in text
     assert "received SIGTERM" in text and "exited cleanly" in text
+    assert "objects alive after start-up frozen" in text  # full collections skip the loaded model

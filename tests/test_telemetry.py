@@ -192,6 +192,85 @@ def test_outside_a_generation_telemetry_is_not_put_off(provider):
     assert ran == [1]
 
 
+def _generation(events, metrics=None):
+    return telemetry.observe_generation(events, metrics=metrics, model="m", max_tokens=8, temperature=0.0,
+                                        input_tokens=3, conversation_id="c")
+
+
+def test_work_is_put_off_only_while_a_generation_step_runs(provider):
+    """Between steps the caller's context is its own (the coordinator steps
+    several generations on shared threads); a generation closed part-way
+    still ends every span, its own last."""
+    observer = telemetry.RoundObserver()
+
+    def events():
+        for index in range(3):
+            with observer.round(index) as scope:
+                scope.done(_result(gamma=4, accepted=2))
+            yield index
+
+    steps = _generation(events())
+    assert next(steps) == 0
+    assert telemetry._LATER.get() is None
+    ran = []
+    telemetry.later(ran.append, "now")
+    assert ran == ["now"]
+    assert provider.memory.get_finished_spans() == ()  # round 0's end waits for a call or the end
+    steps.close()
+    names = [s.name for s in provider.memory.get_finished_spans()]
+    assert names == ["specdec.round", "text_completion m"]
+
+
+def test_rounds_without_a_propose_do_not_pile_their_work_up(provider):
+    """γ = 0 rounds send no Propose: beyond about two rounds' worth, work is done at once."""
+    observer = telemetry.RoundObserver(CoordinatorMetrics())
+    target = telemetry.ClientCalls("target", "specdec.v1.TargetService")
+    finished = []
+
+    def events():
+        for index in range(10):
+            with observer.round(index) as scope:
+                with target.call("Verify"):
+                    pass
+                scope.done(_result(gamma=0, accepted=0))
+            finished.append(len(provider.memory.get_finished_spans()))
+            yield index
+
+    list(_generation(events()))
+    assert max(i - f // 2 for i, f in enumerate(finished, 1)) <= 3  # rounds whose two spans have not ended
+
+
+def test_time_spent_on_put_off_work_is_not_the_drafts(provider):
+    """The work done after a Propose is sent is taken out of the call's
+    observed time and the round's draft times (the γ policy reads them)."""
+    from specdec.rounds import DraftToken, SessionState, run_rounds
+    from specdec.gamma import StaticGamma
+    from specdec.sampling import SamplingParams
+    from specdec.verification import Verdict
+
+    draft = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
+    spent = []
+
+    class Proposer:
+        def propose(self, position, new_tokens, gamma, params, draft_top_k):
+            telemetry.later(time.sleep, 0.05)  # as if an earlier round's work were waiting
+            with draft.call("Propose") as call:
+                spent.append(call.while_waiting())
+                for t in range(gamma):
+                    yield DraftToken(t, None)
+
+    class Verifier:
+        def verify(self, position, new_tokens, drafts, params):
+            return Verdict(accepted=len(drafts), next_token=9)
+
+    rounds = run_rounds(Proposer(), Verifier(), SessionState([1, 2]), max_new_tokens=8, params=SamplingParams(),
+                        gamma_policy=StaticGamma(3), eos_token_ids=set(), context_limit=64,
+                        observer=telemetry.RoundObserver(CoordinatorMetrics()))
+    results = list(_generation(rounds))
+    assert spent[0] >= 0.05
+    assert all(r.draft_s < 0.04 and r.draft_first_s < 0.04 for r in results)
+
+
 def test_network_time_is_never_negative():
     rec = telemetry.RpcRecord("target", observed_s=0.010, compute_s=0.011)
     assert rec.network_s == 0.0
@@ -617,9 +696,15 @@ def test_a_model_services_span_is_made_after_its_reply(provider, monkeypatch):
     from specdec import light_spans
     from specdec.proto import specdec_pb2 as pb
 
-    made = []
+    made, tasks = [], []
     real = light_spans.start_span
-    monkeypatch.setattr(light_spans, "start_span", lambda *a, **k: made.append(time.time_ns()) or real(*a, **k))
+
+    def start_span(*args, **kwargs):
+        made.append(time.time_ns())
+        tasks.append(asyncio.current_task())  # None: a loop callback, not the call's own task
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(light_spans, "start_span", start_span)
     replies = []
 
     async def calls(verify, propose, channel):
@@ -629,6 +714,7 @@ def test_a_model_services_span_is_made_after_its_reply(provider, monkeypatch):
 
     _serve_and_call(calls)
     (span,) = provider.memory.get_finished_spans()
+    assert tasks == [None]  # made after the handler returned, from the event loop, not in line
     assert span.start_time < span.end_time < made[0]  # the call's times, not the moment the span was made
     assert span.end_time < replies[0]
 

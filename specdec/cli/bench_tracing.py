@@ -152,14 +152,19 @@ def serving_order(names: list[str], requests: int, block: int) -> list[tuple[int
     return order
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
+def cpu_seconds(stat_path: str) -> float | None:
+    """User + system CPU time so far of the process or thread whose ``stat``
+    file this is (Linux /proc; None elsewhere)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(stat_path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    return cpu_seconds(f"/proc/{pid}/stat")
 
 
 def _one(client, request: dict) -> tuple[float, int]:
