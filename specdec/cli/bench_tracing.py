@@ -163,10 +163,6 @@ def cpu_seconds(stat_path: str) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    return cpu_seconds(f"/proc/{pid}/stat")
-
-
 def _one(client, request: dict) -> tuple[float, int]:
     """Client-observed tokens/s of one request, and the tokens generated."""
     start = time.perf_counter()
@@ -222,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         for name in names + names[::-1]:  # warm-up: first-call costs, caches
             _one(clients[name], request)
         pids = {name: {role: p.pid for role, p in s.procs.items()} for name, s in stacks.items()}
-        cpu0 = {name: {role: _cpu_seconds(pid) for role, pid in pids[name].items()} for name in stacks}
+        cpu0 = {name: {role: cpu_seconds(f"/proc/{pid}/stat") for role, pid in pids[name].items()} for name in stacks}
         served: list[tuple[int, str, float]] = []  # (round of the order, stack, tokens/s)
         generated = dict.fromkeys(names, 0)
         tokens = 0
@@ -232,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             generated[name] += tokens
         time.sleep(6)  # the traced stacks' last batches (every 5 s) are exported and billed
         # CPU seconds each process spent on the measured requests (None: no /proc)
-        role_cpu = {name: {role: None if c is None else _cpu_seconds(pids[name][role]) - c
+        role_cpu = {name: {role: None if c is None else cpu_seconds(f"/proc/{pids[name][role]}/stat") - c
                            for role, c in cpu0[name].items()} for name in stacks}
         for client in clients.values():
             client.close()
