@@ -1,11 +1,32 @@
 """specdec: distributed speculative decoding.
 
 The core package: sampling and verification math, model loading, the KV-cache
-adapter, the round loop, γ policies, and the in-process decoder."""
+adapter, the round loop, γ policies, and the in-process decoder.
 
-from specdec.decoder import GenerationOutput, SpeculativeDecoder
-from specdec.sampling import SamplingParams
-from specdec.client import Client  # noqa: E402  (the coordinator client; see specdec/client.py)
+The names below are imported on first use (PEP 562), not with the package: the
+decoder pulls in torch and transformers, seconds of start-up that ``specdec
+--help``, ``specdec netem`` or a client need not pay."""
 
-__all__ = ["Client", "GenerationOutput", "SamplingParams", "SpeculativeDecoder"]
+import importlib
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Client": "specdec.client",  # the coordinator client; see specdec/client.py
+    "GenerationOutput": "specdec.decoder",
+    "SamplingParams": "specdec.sampling",
+    "SpeculativeDecoder": "specdec.decoder",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

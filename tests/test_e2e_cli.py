@@ -164,3 +164,32 @@ def test_an_unknown_flag_shows_the_sub_command_usage(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: specdec generate") and "unrecognized arguments: --bogus" in err
+
+
+def test_help_and_light_commands_start_without_torch():
+    """`specdec --help`, `specdec netem` and the coordinator's flags load neither
+    torch nor transformers (seconds of start-up on a small machine), and a
+    client does not load transformers: `import specdec` is lazy and the CLI
+    imports only the command it runs."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, contextlib, io\n"
+        "import specdec\n"
+        "from specdec.cli import main\n"
+        "for argv in (['--help'], ['netem', '--help'], ['coordinator', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "specdec.Client\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "False"]
+    # The lazy names still resolve to the real objects.
+    import specdec
+    from specdec.decoder import SpeculativeDecoder
+
+    assert specdec.SpeculativeDecoder is SpeculativeDecoder and "SpeculativeDecoder" in dir(specdec)

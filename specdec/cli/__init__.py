@@ -39,7 +39,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if only is None or name == only:  # import just the module that will run
+        if name == only:  # import just the module that will run (none for the top-level --help)
             importlib.import_module(module).add_arguments(p)
             parser.set_defaults(**{f"_parser_{name}": p})
     return parser
