@@ -28,17 +28,18 @@ from typing import Any, Callable, Iterable
 import torch
 
 from specdec import proto_convert as pc
-from specdec.config import ServiceConfig, env_names
+from specdec.config import ServiceConfig
 from specdec.errors import Draining, InvalidRequest, Unavailable
 from specdec.local import held_tokens
 from specdec.metrics import ServiceMetrics
 from specdec.model_runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.sampling import SamplingParams, SparseDist
+from specdec.service_cli import config_from_args
 from specdec.server import (DRAFT_SERVICE, TARGET_SERVICE, GrpcServer, bind_or_close, freeze_startup_objects,
                             serve_until_signal, setup_logging)
 from specdec.sessions import SessionStore
-from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
+from specdec.telemetry import ServiceTelemetry, setup_from_args
 from specdec.timing import ServerTiming
 
 log = logging.getLogger(__name__)
@@ -271,46 +272,6 @@ def sampling_key(sampling: pb.SamplingParams) -> bytes:
 
 
 # ====================================================================== process entry
-
-
-def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
-    """The flags of ``specdec draft-service`` / ``specdec target-service``. Each
-    defaults to its environment variable, then to :class:`ServiceConfig`'s default."""
-    defaults = ServiceConfig(role=role)
-
-    def env(field: str) -> str:
-        return " or ".join(env_names(ServiceConfig, field, (f"SPECDEC_{role.upper()}_", "SPECDEC_")))
-
-    def add(flag: str, field: str, help: str, **kw):
-        parser.add_argument(flag, dest=field, default=None,
-                            help=f"{help} [env {env(field)}; default {getattr(defaults, field)}]", **kw)
-
-    add("--model", "model", f"{role} model directory (default: the bundled {role} model)", metavar="DIR")
-    add("--device", "device", "torch device, e.g. cpu, cuda:0")
-    add("--dtype", "dtype", "model dtype", choices=["float32", "bfloat16", "float16"])
-    add("--host", "host", "address to listen on")
-    add("--port", "port", "port to listen on (0: any free port)", type=int)
-    add("--max-sessions", "max_sessions", "sessions held before LRU eviction", type=int)
-    add("--max-cached-tokens", "max_cached_tokens", "tokens held over all sessions before LRU eviction", type=int)
-    add("--session-ttl", "session_ttl_s", "seconds an idle session is kept", type=float, metavar="SECONDS")
-    add("--gamma-max", "gamma_max", "largest gamma / number of drafts accepted per call", type=int)
-    add("--max-message-bytes", "max_message_bytes", "gRPC message size limit", type=int)
-    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight calls may take to finish",
-        type=float, metavar="SECONDS")
-    add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    if role == "draft":
-        add("--draft-ahead", "draft_ahead", "while the target verifies, draft the next round as if all drafts "
-            "are accepted (reused when they are; the output never changes)", action=argparse.BooleanOptionalAction)
-        add("--lean-forward", "lean_forward", "run a Llama-architecture draft through specdec's lean forward pass "
-            "instead of Hugging Face's (same weights, less Python per token; the output's distribution never changes, "
-            "though one seed's sampled tokens follow q to the last bit)",
-            action=argparse.BooleanOptionalAction)
-    add_telemetry_arguments(parser, role)
-
-
-def config_from_args(args: argparse.Namespace, role: str) -> ServiceConfig:
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServiceConfig) if f.name != "role"}
-    return ServiceConfig.load(role, overrides)
 
 
 @dataclasses.dataclass

@@ -167,7 +167,7 @@ def test_an_unknown_flag_shows_the_sub_command_usage(capsys):
 
 
 def test_help_and_light_commands_start_without_torch():
-    """`specdec --help`, `specdec netem` and the coordinator's flags load neither
+    """`specdec --help`, `specdec netem` and every service's flags load neither
     torch nor transformers (seconds of start-up on a small machine), and a
     client does not load transformers: `import specdec` is lazy and the CLI
     imports only the command it runs."""
@@ -178,7 +178,8 @@ def test_help_and_light_commands_start_without_torch():
         "import sys, contextlib, io\n"
         "import specdec\n"
         "from specdec.cli import main\n"
-        "for argv in (['--help'], ['netem', '--help'], ['coordinator', '--help']):\n"
+        "for argv in (['--help'], ['netem', '--help'], ['coordinator', '--help'], ['draft-service', '--help'],\n"
+        "             ['target-service', '--help']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv)\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
