@@ -4,6 +4,9 @@ the same services, prints the summary and stops everything."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from specdec.cli import main
@@ -171,9 +174,6 @@ def test_help_and_light_commands_start_without_torch():
     torch nor transformers (seconds of start-up on a small machine), and a
     client does not load transformers: `import specdec` is lazy and the CLI
     imports only the command it runs."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys, contextlib, io\n"
         "import specdec\n"
