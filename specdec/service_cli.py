@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from specdec.config import ServiceConfig, env_names
+from specdec.config import ServiceConfig, env_names, role_prefixes
 from specdec.telemetry import add_arguments as add_telemetry_arguments
 
 
@@ -17,7 +17,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     defaults = ServiceConfig(role=role)
 
     def env(field: str) -> str:
-        return " or ".join(env_names(ServiceConfig, field, (f"SPECDEC_{role.upper()}_", "SPECDEC_")))
+        return " or ".join(env_names(ServiceConfig, field, role_prefixes(role)))
 
     def add(flag: str, field: str, help: str, **kw):
         parser.add_argument(flag, dest=field, default=None,
