@@ -13,23 +13,31 @@ here once:
 
 Decoders raise :class:`specdec.errors.InvalidRequest` (-> INVALID_ARGUMENT) with
 a message naming the field.
+
+The core types that bring torch (distributions, draft tokens, verdicts, sampling
+parameters) are imported inside the functions that build them, so that
+:mod:`specdec.client`, which needs only the stats, does not load torch: ~3 s and
+~190 MB for a process that only talks to a coordinator.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
-import torch
 
 from specdec.errors import InvalidRequest
 from specdec.proto import specdec_pb2 as pb
-from specdec.rounds import DraftToken, Distribution
-from specdec.sampling import SamplingParams, SparseDist
 from specdec.stats import GenerationStats
 from specdec.timing import ServerTiming
-from specdec.verification import Verdict
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdec.rounds import DraftToken, Distribution
+    from specdec.sampling import SamplingParams
+    from specdec.verification import Verdict
 
 _F32_LE = np.dtype("<f4")
 
@@ -47,6 +55,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_proto(msg: pb.SamplingParams | None) -> SamplingParams:
     """Unset message = greedy. Invalid values -> InvalidRequest naming the field."""
+    from specdec.sampling import SamplingParams
+
     if msg is None:
         return SamplingParams()
     try:
@@ -64,7 +74,7 @@ def sampling_from_proto(msg: pb.SamplingParams | None) -> SamplingParams:
 
 
 def _probs_bytes(t: torch.Tensor) -> bytes:
-    arr = t.detach().to("cpu", torch.float32).contiguous().numpy()
+    arr = t.detach().cpu().float().contiguous().numpy()  # float(): bfloat16 has no numpy dtype
     return arr.astype(_F32_LE, copy=False).tobytes()
 
 
@@ -73,6 +83,8 @@ def dist_to_proto(q: Distribution) -> pb.Distribution:
     copied to the host here; copy them first to time that copy separately. A
     Distribution message (the coordinator forwarding what the draft sent) passes
     through untouched: the target validates it."""
+    from specdec.sampling import SparseDist
+
     if isinstance(q, pb.Distribution):
         return q
     if isinstance(q, SparseDist):
@@ -89,6 +101,10 @@ def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: s
     """Distribution -> dense float32 tensor [V] or SparseDist (on the CPU).
 
     With ``vocab_size`` the ids / dense length are checked against it."""
+    import torch
+
+    from specdec.sampling import SparseDist
+
     raw = msg.probs
     if len(raw) % 4:
         raise InvalidRequest(f"{what}: probs has {len(raw)} bytes, not a whole number of float32 values")
@@ -130,6 +146,8 @@ def _check_sum(values: np.ndarray, what: str) -> None:
 
 def dist_prob(q: Distribution, token: int) -> float:
     """q(token) for a dense or sparse distribution (unnormalised, as sent)."""
+    from specdec.sampling import SparseDist
+
     if isinstance(q, SparseDist):
         hit = (q.ids == token).nonzero()
         return float(q.probs[hit[0, 0]]) if hit.numel() else 0.0
@@ -149,6 +167,8 @@ def draft_token_to_proto(d: DraftToken, timing: ServerTiming | None = None) -> p
 
 
 def draft_token_from_proto(msg: pb.DraftToken, vocab_size: int | None = None) -> DraftToken:
+    from specdec.rounds import DraftToken
+
     q = dist_from_proto(msg.q, vocab_size, f"q of draft token {msg.token}") if msg.HasField("q") else None
     return DraftToken(token=msg.token, q=q)
 
@@ -164,6 +184,8 @@ def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.Verif
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
+    from specdec.verification import Verdict
+
     return Verdict(accepted=msg.accepted, next_token=msg.next_token)
 
 
