@@ -170,12 +170,13 @@ def test_an_unknown_flag_shows_the_sub_command_usage(capsys):
 
 
 def test_help_and_light_commands_start_without_torch():
-    """`specdec --help`, `specdec netem`, every service's flags and the Python
-    client load neither torch nor transformers (seconds of start-up and ~190 MB
-    on a small machine): `import specdec` is lazy, the CLI imports only the
-    command it runs, and proto_convert imports torch-bearing types where used."""
+    """`specdec --help`, `specdec netem`, every service's flags, the Python
+    client and `specdec generate --coordinator` load neither torch nor
+    transformers (seconds of start-up and ~190 MB on a small machine):
+    `import specdec` is lazy, the CLI imports only the command it runs, and
+    proto_convert imports torch-bearing types where they are used."""
     probe = (
-        "import sys, contextlib, io\n"
+        "import sys, contextlib, io, socket\n"
         "import specdec\n"
         "from specdec.cli import main\n"
         "for argv in (['--help'], ['netem', '--help'], ['coordinator', '--help'], ['draft-service', '--help'],\n"
@@ -184,6 +185,11 @@ def test_help_and_light_commands_start_without_torch():
         "        main(argv)\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
         "specdec.Client\n"
+        "with socket.socket() as s:  # a port nothing listens on: the call fails UNAVAILABLE\n"
+        "    s.bind(('127.0.0.1', 0))\n"
+        "    port = s.getsockname()[1]\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n"
+        "    assert main(['generate', '--coordinator', f'127.0.0.1:{port}', 'x']) == 1\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
