@@ -96,7 +96,10 @@ class ServiceClient:
         naming the service so a user knows which process to look at."""
         code = errors.rpc_status(e)[0]
         where = f"{self.role} service at {self.address}"
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        if code == grpc.StatusCode.CANCELLED:  # the coordinator cancels none: a stopping server cancels its calls
+            return errors.Unavailable(f"{where} cancelled {method} (is it shutting down or restarting?): "
+                                      f"{_details(e)}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
         err = errors.from_rpc_error(e)
         err.args = (f"{where} failed {method}: {_details(e)}",)

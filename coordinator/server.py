@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int)
     add("--gamma-policy", "default_gamma_policy", "gamma policy for requests that name none: "
         "static:N | heuristic | adaptive")
-    add("--gamma-max", "gamma_max", "largest gamma a policy may use", type=int)
+    add("--gamma-max", "gamma_max",
+        "largest gamma a policy may use (the services' --gamma-max where theirs is lower)", type=int)
     add("--draft-top-k", "default_draft_top_k", "under sampling, the draft samples from its top-k and sends only "
         "that support (exact, far fewer bytes); for requests that set no draft_top_k; 0 = dense q", type=int)
     add("--call-timeout", "call_timeout_s", "deadline of each Propose/Verify call", type=float, metavar="SECONDS")

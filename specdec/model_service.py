@@ -251,6 +251,7 @@ class ModelHost:
             device=str(runner.device),
             active_sessions=stats.active_sessions,
             cached_tokens=stats.cached_tokens,
+            gamma_max=self.config.gamma_max,
         )
 
     def end_session(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:

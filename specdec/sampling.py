@@ -38,7 +38,9 @@ class SamplingParams:
     """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
 
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` makes
-    sampling reproducible; ``None`` lets the decoder pick one per request.
+    sampling reproducible under the same γ schedule (a drafted position and a
+    correction or bonus position draw their token from different streams);
+    ``None`` lets the decoder pick one per request.
     """
 
     temperature: float = 0.0

@@ -49,7 +49,9 @@ class FakeService:
         self.lose_everything = False
         self.unavailable_once = False
         self.unavailable_always = False  # a service that stays down
+        self.stopping = False  # a service shutting down: grpc cancels its calls
         self.round_ids: list[int] = []
+        self.gamma_max: int | None = None  # reported in ModelInfo when set
 
     def _seq(self, request, context) -> list[int]:
         self.calls.append((request.session_id, request.position, len(request.new_tokens)))
@@ -57,6 +59,8 @@ class FakeService:
         if self.unavailable_once or self.unavailable_always:
             self.unavailable_once = False
             context.abort(grpc.StatusCode.UNAVAILABLE, "blip")
+        if self.stopping:
+            context.abort(grpc.StatusCode.CANCELLED, "Cancelling all calls")
         if self.lose_everything:
             context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} lost again")
         seq = self.sessions.get(request.session_id)
@@ -72,7 +76,8 @@ class FakeService:
 
     def GetModelInfo(self, request, context):
         return pb.ModelInfo(model_name=type(self).__name__, vocab_size=self.vocab, vocab_fingerprint=self.fingerprint,
-                            max_context=512, eos_token_ids=[EOS], active_sessions=len(self.sessions))
+                            max_context=512, eos_token_ids=[EOS], active_sessions=len(self.sessions),
+                            gamma_max=self.gamma_max)
 
     def EndSession(self, request, context):
         self.ended.append(request.session_id)
@@ -165,6 +170,21 @@ def test_streams_the_target_text_and_frees_one_shot_sessions(fakes, tokenizer):
     assert stats.accepted_tokens < stats.drafted_tokens  # the draft disagreed sometimes
     assert stats.rounds < 20 and stats.session_id == ""
     assert draft.sessions == {} and target.sessions == {}  # one-shot: ended in both services
+
+
+def test_gamma_is_capped_at_the_services_limit(fakes):
+    """A coordinator allowing more γ than a service accepts would fail a request
+    mid-stream once a growing policy passed the service's limit: the smaller
+    limit, from ModelInfo, applies to every policy."""
+    _, target, make = fakes
+    target.gamma_max = 2
+    engine = make(gamma_max=16)
+    _, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=30, gamma_policy="heuristic")
+    assert stats.generated_tokens == 30 and 0 < max(stats.gammas) <= 2
+    _, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=30, gamma_policy="adaptive")
+    assert max(stats.gammas) <= 2
+    with pytest.raises(errors.InvalidRequest, match=r"gamma must be in \[0, 2\], got 3"):
+        run(engine, prompt_ids=(104, 101, 108), max_new_tokens=4, gamma_policy="static:3")
 
 
 def test_eos_from_model_info_ends_generation(fakes):
@@ -286,6 +306,13 @@ def test_a_turn_that_does_not_finish_leaves_the_history_as_before_it(fakes):
     assert engine.directory.get("t").tokens == before
     ids, _, _ = run(engine, prompt_ids=(33, 34), max_new_tokens=3, session_id="t")
     assert ids == expected_tokens(len(before) + 2, 3)  # as if turn 2 had been sent once
+
+
+def test_a_service_cancelling_calls_is_reported_as_maybe_stopping(fakes):
+    _, target, make = fakes
+    target.stopping = True
+    with pytest.raises(errors.Unavailable, match=r"target service at .* cancelled Verify \(is it shutting down"):
+        run(make(), prompt_ids=(33, 34), max_new_tokens=5)
 
 
 def test_a_request_waits_for_a_cancelled_one_on_its_session_to_end(fakes):

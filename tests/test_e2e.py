@@ -450,5 +450,5 @@ def test_generate_cli_streams_from_the_coordinator(cluster, reference, capsys):
                  "--gamma-policy", "static:2", PROMPT]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip("\n") == record["text"] and "24 tokens" in out.err and "finish length" in out.err
-    assert main(["generate", "--coordinator", address, "--max-new-tokens", "0", PROMPT]) == 1
-    assert "INVALID_ARGUMENT: max_new_tokens must be in [1, 900], got 0" in capsys.readouterr().err
+    assert main(["generate", "--coordinator", address, "--max-new-tokens", "901", PROMPT]) == 1
+    assert "INVALID_ARGUMENT: max_new_tokens must be in [1, 900], got 901" in capsys.readouterr().err

@@ -124,7 +124,8 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     (["--coordinator", "127.0.0.1:1", "--draft", "d", "--device", "cpu", "x"], "--draft, --device: only with --local"),
     (["--local", "--stop", "x", "--session", "s", "x"], "--session, --stop: only with --coordinator"),
     (["--local", "--prompt-ids", "1,2", "x"], "give a PROMPT or --prompt-ids, not both"),
-    (["--coordinator", "127.0.0.1:1", "--max-new-tokens", "-1", "x"], "--max-new-tokens must be >= 0, got -1"),
+    (["--coordinator", "127.0.0.1:1", "--max-new-tokens", "0", "x"], "--max-new-tokens must be >= 1, got 0"),
+    (["--local", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers, got '1,,2'"),
     (["--coordinator", "127.0.0.1:1", "--seed", "-5", "x"], "--seed must be >= 0, got -5"),
     (["--coordinator", "127.0.0.1:1", "--prompt-ids", "99999999999"], "--prompt-ids: 99999999999 is not a token id"),
 ])

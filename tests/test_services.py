@@ -179,7 +179,7 @@ def test_evicted_session_answers_not_found_and_info_counts(stubs, device):
         verify(target_stub, sid, 0, PROMPT, [])
     info = target_stub.GetModelInfo(pb.ModelInfoRequest())
     assert info.active_sessions == 4 and info.cached_tokens == 4 * (len(PROMPT) + 1)
-    assert (info.vocab_size, info.max_context, info.device) == (32, 128, device)
+    assert (info.vocab_size, info.max_context, info.device, info.gamma_max) == (32, 128, device, 8)
     with pytest.raises(grpc.RpcError) as e:
         verify(target_stub, sids[0], len(PROMPT) + 1, [], [])
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -15,7 +15,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling: the same tokens again under the same "
+                   "gamma schedule (static:N or heuristic; adaptive gamma follows timings)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
 
 
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_prompt_ids(text: str) -> list[int]:
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in text.split(",")]  # an empty item ("1,,2") is an error too
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
     bad = next((t for t in ids if not 0 <= t < 2**31), None)
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give a PROMPT or --prompt-ids")
     if args.prompt is not None and args.prompt_ids is not None:
         raise ValueError("give a PROMPT or --prompt-ids, not both")
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 0),
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
                              ("--seed", args.seed, 0), ("--draft-top-k", args.draft_top_k, 0),
                              ("--gamma", args.gamma, 0)):
         if value is not None and value < low:
@@ -89,12 +90,11 @@ def _run_local(args: argparse.Namespace) -> int:
         draft = draft or bundled.draft_path()
     if str(draft).lower() == "none":
         draft = None
+    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None  # before loading
     dec = SpeculativeDecoder(target=target, draft=draft, device=args.device or "cpu")
-    if args.prompt_ids is not None:
-        prompt_ids = parse_prompt_ids(args.prompt_ids)
-    elif dec.tokenizer is None:
-        raise ValueError(f"{target} has no tokenizer: pass --prompt-ids")
-    else:
+    if prompt_ids is None:
+        if dec.tokenizer is None:
+            raise ValueError(f"{target} has no tokenizer: pass --prompt-ids")
         prompt_ids = dec.tokenizer.encode(args.prompt, add_special_tokens=False)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
