@@ -125,7 +125,7 @@ class ServiceConfig:
     session_ttl_s: float = 600.0  # idle sessions are dropped after this
     max_message_bytes: int = 64 * MiB  # gRPC send/receive limit
     gamma_max: int = 64  # Propose gamma / Verify drafts above this are rejected
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight calls may take to finish
+    drain_grace_s: float = 30.0  # on SIGTERM: how long the generations in flight may take to finish
     log_level: str = "INFO"
     draft_ahead: bool = True  # draft service: draft the next round while the target verifies
     lean_forward: bool = True  # draft service: a Llama draft runs through specdec.lean_llama

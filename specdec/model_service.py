@@ -45,6 +45,9 @@ from specdec.timing import ServerTiming
 log = logging.getLogger(__name__)
 
 SERVICE_NAMES = {"draft": DRAFT_SERVICE, "target": TARGET_SERVICE}
+# A session with a call this recent is taken to be in the middle of a generation
+# (its calls come one round apart: milliseconds, or a few round trips).
+GENERATION_GAP_S = 2.0
 
 
 class ModelHost:
@@ -284,6 +287,24 @@ class RunningService:
     port: int
     telemetry: ServiceTelemetry | None = None
 
+    async def finish_generations(self, within_s: float, gap_s: float = GENERATION_GAP_S) -> None:
+        """On SIGTERM, before the server stops taking calls: health NOT_SERVING,
+        no new sessions (refused UNAVAILABLE), and up to ``within_s`` seconds for
+        the generations going through this service to end, i.e. until no session
+        it holds has had a call for ``gap_s``. A generation is many calls, so
+        finishing only the calls in flight would cut every stream in a rolling
+        restart."""
+        await self.server.stop_serving()
+        sessions = self.host.sessions
+        if sessions is None:  # still loading: nothing in flight
+            return
+        sessions.accept_new = False
+        deadline = time.monotonic() + within_s
+        if sessions.quiet_for() < gap_s:
+            log.info("%s service: finishing the generations in flight (up to %.0f s)", self.host.config.role, within_s)
+        while sessions.quiet_for() < gap_s and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def stop(self, grace_s: float | None = None) -> None:
         self.host.draining = True
         if grace_s is None:
@@ -358,7 +379,8 @@ def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[Mod
                                                      freeze_after_load=True)
         try:
             # A signal during loading drains too; a failed load ends the process.
-            await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading))
+            await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading),
+                                     before_drain=service.finish_generations)
         finally:
             service.host.close()
         if loading.done() and not loading.cancelled() and loading.exception() is not None:

@@ -30,7 +30,8 @@ import asyncio
 import gc
 import logging
 import signal
-from typing import Awaitable, Iterable, Sequence
+import time
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -148,14 +149,19 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    async def stop_serving(self) -> None:
+        """Health NOT_SERVING, for good: load balancers send no new work. Calls
+        are still answered (see :meth:`drain`)."""
+        self.serving = False
+        await self.health.enter_graceful_shutdown()  # every service, and later set()s are ignored
+
     async def drain(self, grace_s: float) -> None:
         """Health NOT_SERVING, refuse new calls, give in-flight calls ``grace_s``
         seconds to finish (then cancel them)."""
         if self.draining:
             return
         self.draining = True
-        self.serving = False
-        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+        await self.stop_serving()
         log.info("draining %s: finishing in-flight calls (grace %.0f s)", self.address, grace_s)
         await self.server.stop(grace_s)
         log.info("stopped %s", self.address)
@@ -201,9 +207,11 @@ async def serve_until_signal(
     grace_s: float,
     *,
     stop: Awaitable | None = None,
+    before_drain: Callable[[float], Awaitable] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until ``stop`` completes), then drain every
-    server (in parallel) and return."""
+    server (in parallel) and return. ``before_drain(grace_s)``, if given, runs
+    first, and what it takes of the grace is not given to the drain."""
     servers = [servers] if isinstance(servers, GrpcServer) else list(servers)
     waiters = [asyncio.ensure_future(wait_for_signal())]
     if stop is not None:
@@ -214,6 +222,10 @@ async def serve_until_signal(
     for task in done:
         if not task.cancelled() and task.exception() is None and isinstance(task.result(), int):
             log.info("received %s", signal.Signals(task.result()).name)
+    if before_drain is not None:
+        started = time.monotonic()
+        await before_drain(grace_s)
+        grace_s = max(0.0, grace_s - (time.monotonic() - started))
     await asyncio.gather(*(s.drain(grace_s) for s in servers))
 
 

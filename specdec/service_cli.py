@@ -33,7 +33,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     add("--session-ttl", "session_ttl_s", "seconds an idle session is kept", type=float, metavar="SECONDS")
     add("--gamma-max", "gamma_max", "largest gamma / number of drafts accepted per call", type=int)
     add("--max-message-bytes", "max_message_bytes", "gRPC message size limit", type=int)
-    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight calls may take to finish",
+    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds the generations in flight may take to finish",
         type=float, metavar="SECONDS")
     add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     if role == "draft":

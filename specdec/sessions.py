@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Generic, Hashable, TypeVar
 
-from specdec.errors import InvalidRequest, PositionMismatch, ResourceExhausted, SessionNotFound
+from specdec.errors import Draining, InvalidRequest, PositionMismatch, ResourceExhausted, SessionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class SessionStore(Generic[S]):
         self.evictions = 0
         self.expirations = 0
         self.created = 0
+        self.accept_new = True  # False while the service drains: only the sessions it holds go on
 
     # ------------------------------------------------------------------ queries
 
@@ -114,6 +115,16 @@ class SessionStore(Generic[S]):
 
     def stats(self) -> StoreStats:
         return StoreStats(len(self._sessions), self._tokens, self.evictions, self.expirations, self.created)
+
+    def quiet_for(self) -> float:
+        """Seconds since a call last used one of the held sessions: 0 while a call
+        holds one, infinite when none is held."""
+        if any(s.lock.locked() for s in self._sessions.values()):
+            return 0.0
+        if not self._sessions:
+            return float("inf")
+        latest = next(reversed(self._sessions.values()))  # most recently used last
+        return self._clock() - latest.last_used
 
     # ------------------------------------------------------------------ use
 
@@ -143,6 +154,9 @@ class SessionStore(Generic[S]):
                         f"session {session_id!r} is not held by this service (never started, ended, "
                         f"evicted or expired); start it again at position 0"
                     )
+                if not self.accept_new:
+                    raise Draining(f"session {session_id!r} cannot start: this service is shutting down "
+                                      "and only finishes the sessions it holds")
                 session = self._create(session_id)
             await session.lock.acquire()
             if self._sessions.get(session_id) is session:

@@ -104,7 +104,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(models, tmp_path_factory):
     """Started together, once: D + T + C (most tests); T1 (--max-sessions 1) + C1
-    for eviction, T1 is then killed by the kill test; Cs to receive SIGTERM."""
+    for eviction, T1 is then killed by the kill test; Cs to receive SIGTERM;
+    Tr, with Cr, to receive SIGTERM mid-generation (a rolling restart)."""
     target, draft = models
     logdir = tmp_path_factory.mktemp("e2e-logs")
     procs = {}
@@ -115,6 +116,8 @@ def cluster(models, tmp_path_factory):
         procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir,
                                  "--max-message-bytes", str(1 << 20))
         procs["C1"] = coordinator("coordinator1", procs["D"], procs["T1"], target, logdir)
+        procs["Tr"] = model_service("target-restarted", "target", target, logdir)
+        procs["Cr"] = coordinator("coordinator-restarted-target", procs["D"], procs["Tr"], target, logdir)
         procs["Cs"] = coordinator("coordinator-drained", procs["D"], procs["T"], target, logdir,
                                   "--drain-grace", "30")
         procs["Cg"] = coordinator("coordinator-short-grace", procs["D"], procs["T"], target, logdir,
@@ -358,6 +361,33 @@ def test_sigterm_drains_in_flight_generation(cluster, reference):
     assert stats.finish_reason == "length" and got == greedy_ref(reference, ids, 300)
     assert cs.proc.wait(30) == 0
     assert "received SIGTERM" in cs.log() and "exited cleanly" in cs.log()
+
+
+def test_a_target_stopped_mid_generation_finishes_it_first(cluster, reference):
+    """A rolling restart: SIGTERM to the target while a generation goes through
+    it. The target finishes the sessions it holds, so the stream completes with
+    the right tokens; a request that would start a new session meanwhile is
+    refused with a message saying why; then the target exits cleanly."""
+    tr = cluster["Tr"]
+    ids = [100, 101, 102]
+    with Client(cluster["Cr"].address, timeout=60) as c:
+        stream = c.generate(prompt_ids=ids, max_new_tokens=300, gamma_policy="static:2")
+        got = list(next(stream).token_ids)
+        tr.proc.send_signal(signal.SIGTERM)
+        rounds_since = 0
+        for event in stream:
+            if isinstance(event, Delta):
+                got += event.token_ids
+                rounds_since += 1
+                if rounds_since == 4:  # the target has handled the signal by now
+                    with pytest.raises(errors.Unavailable, match="cannot start: this service is shutting down"):
+                        c.complete(prompt_ids=ids, max_new_tokens=4)
+            else:
+                stats = event
+    assert rounds_since > 4, "the generation ended before the new request was tried"
+    assert stats.finish_reason == "length" and got == greedy_ref(reference, ids, 300)
+    assert tr.proc.wait(30) == 0
+    assert "finishing the generations in flight" in tr.log() and "exited cleanly" in tr.log()
 
 
 def test_a_generation_cut_by_the_drain_grace_ends_its_session_in_both_services(cluster):

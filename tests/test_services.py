@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -246,6 +247,33 @@ def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, mon
         assert len([first, *rest]) == 3  # the in-flight stream completed
         drained.join(20)
         slow.undo()
+
+
+def test_a_stopping_service_finishes_the_generations_it_holds(loop, tiny_pair):
+    """SIGTERM's first step (run_service calls it before the server stops):
+    NOT_SERVING, new sessions refused with a clear UNAVAILABLE, the sessions it
+    holds answered until none has had a call for the gap."""
+    service = start_service(loop, "target", tiny_pair[0])
+    with channel(service) as ch:
+        stub = pb_grpc.TargetServiceStub(ch)
+        sid = new_session()
+        verify(stub, sid, 0, PROMPT, [])  # a generation under way
+        finishing = asyncio.run_coroutine_threadsafe(service.finish_generations(20.0, gap_s=0.5), loop.loop)
+        health = health_pb2_grpc.HealthStub(ch)
+        assert (health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as e:
+            verify(stub, new_session(), 0, PROMPT, [])
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "cannot start: this service is shutting down" in e.value.details()
+        for i in range(1, 5):  # its next rounds are answered, 0.3 s apart (inside the gap)
+            time.sleep(0.3)
+            verify(stub, sid, len(PROMPT) + i, [], [], round_id=i)
+            assert not finishing.done()
+        ended = time.monotonic()
+        finishing.result(10)
+        assert 0.4 < time.monotonic() - ended < 5  # one gap after the last call, not the 20 s
+    loop.call(service.stop())
 
 
 class _slow_model:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from specdec.errors import InvalidRequest, PositionMismatch, ResourceExhausted, SessionNotFound
+from specdec.errors import Draining, InvalidRequest, PositionMismatch, ResourceExhausted, SessionNotFound
 from specdec.sessions import SessionStore
 
 
@@ -168,5 +168,32 @@ def test_busy_sessions_are_not_evicted():
             assert "a" in store and "b" in store
         await grow(store, "c", 0, 1)
         assert len(store) == 1 and "c" in store
+
+    run(go())
+
+
+def test_a_draining_store_refuses_new_sessions_and_says_how_quiet_it_is():
+    """While a service drains it finishes the sessions it holds (their calls go
+    on) and starts none; quiet_for() tells it when their generations have ended."""
+    store, clock = make_store()
+
+    async def go():
+        assert store.quiet_for() == float("inf")  # nothing held
+        await grow(store, "a", 0, 5)
+        clock.now = 3.0
+        await grow(store, "b", 0, 2)
+        clock.now = 4.5
+        assert store.quiet_for() == 1.5  # since b's call
+        store.accept_new = False
+        await grow(store, "a", 5, 2)  # a held session goes on
+        assert store.quiet_for() == 0.0
+        with pytest.raises(Draining, match="'c' cannot start: this service is shutting down"):
+            await grow(store, "c", 0, 1)
+        assert "c" not in store
+        async with store.open("b", 2):
+            assert store.quiet_for() == 0.0  # a call in flight
+        store.end("a")
+        store.end("b")
+        assert store.quiet_for() == float("inf")
 
     run(go())
