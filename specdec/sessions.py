@@ -123,8 +123,8 @@ class SessionStore(Generic[S]):
             return 0.0
         if not self._sessions:
             return float("inf")
-        latest = next(reversed(self._sessions.values()))  # most recently used last
-        return self._clock() - latest.last_used
+        # The max, not the LRU order: a call's end updates last_used without reordering.
+        return self._clock() - max(s.last_used for s in self._sessions.values())
 
     # ------------------------------------------------------------------ use
 
