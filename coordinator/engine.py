@@ -70,7 +70,7 @@ class PairInfo:
     eos_token_ids: frozenset[int]
     draft_name: str
     target_name: str
-    gamma_max: int | None = None  # the smaller of the services' limits on γ (None: not reported)
+    gamma_max: int  # the largest γ a request may use: the coordinator's limit or the services', if lower
 
 
 def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
@@ -135,24 +135,20 @@ class Coordinator:
                         f"tokenizer mismatch: the coordinator's tokenizer {self.tokenizer_dir} (fingerprint {mine}) "
                         f"is not the one of {where[1]} (fingerprint {t.vocab_fingerprint}): give --tokenizer DIR"
                     )
+            # A policy growing past a service's limit would fail mid-stream (older services report none).
             limits = [info.gamma_max for info in (d, t) if info.HasField("gamma_max")]
             self._pair = PairInfo(
                 vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
                 eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name, target_name=t.model_name,
-                gamma_max=min(limits) if limits else None,
+                gamma_max=min([self.config.gamma_max, *limits]),
             )
             log.info("model pair: %s + %s (vocab %d, context %d)", where[0], where[1], t.vocab_size, self._pair.context)
-            if self.gamma_max(self._pair) < self.config.gamma_max:
+            if self._pair.gamma_max < self.config.gamma_max:
                 log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
                             "their --gamma-max)", self._pair.gamma_max, self.config.gamma_max)
         return self._pair
 
     # ------------------------------------------------------------- γ policies
-
-    def gamma_max(self, pair: PairInfo) -> int:
-        """The largest γ a request may use: this coordinator's limit, or the
-        services' if lower (a policy growing past it would fail mid-stream)."""
-        return self.config.gamma_max if pair.gamma_max is None else min(self.config.gamma_max, pair.gamma_max)
 
     def _warm_start(self, policy: GammaPolicy, job: GenerateJob) -> GammaPolicy:
         """An adaptive policy starts from the estimates the last finished adaptive
@@ -241,7 +237,7 @@ class Coordinator:
             raise errors.InvalidRequest(f"this coordinator has no tokenizer, so it cannot take {what}: send prompt_ids")
         if job.draft_top_k is not None and not 0 <= job.draft_top_k <= pair.vocab_size:
             raise errors.InvalidRequest(f"draft_top_k must be in [0, {pair.vocab_size}], got {job.draft_top_k}")
-        policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, self.gamma_max(pair))
+        policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, pair.gamma_max)
         if job.prompt:
             # No BOS/special tokens: the same ids as `specdec generate --local`, and a
             # later turn of a session appends plain text to the history.

@@ -96,7 +96,7 @@ class ServiceClient:
         naming the service so a user knows which process to look at."""
         code = errors.rpc_status(e)[0]
         where = f"{self.role} service at {self.address}"
-        if code == grpc.StatusCode.CANCELLED:  # the coordinator cancels none: a stopping server cancels its calls
+        if code == grpc.StatusCode.CANCELLED:  # a stopping server cancels its calls (or our channel closed)
             return errors.Unavailable(f"{where} cancelled {method} (is it shutting down or restarting?): "
                                       f"{_details(e)}")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -54,9 +54,9 @@ def main() -> None:
                 core=COORDINATOR_CORE)
     pids = dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children)))
     try:
+        pin(COORDINATOR_CORE)  # before the client: grpc's threads take the affinity of the thread starting them
         client = Client(f"127.0.0.1:{port}", timeout=300)
         client.wait_ready(120)
-        pin(COORDINATOR_CORE)
         prompts = make_prompts(held_out_streams(AutoTokenizer.from_pretrained(target_dir)), 8, 128, 96, seed=0)
         for policy in args.policies.split(","):
             for prompt in prompts[:2]:  # warm-up

@@ -15,8 +15,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling: the same tokens again under the same "
-                   "gamma schedule (static:N or heuristic; adaptive gamma follows timings)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling: the same tokens again under the same gamma schedule "
+                        "(static:N or heuristic; adaptive gamma follows timings)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
 
 
