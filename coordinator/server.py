@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         coordinator = await start_coordinator(config, telemetry)
         freeze_startup_objects("coordinator")
         try:
-            await serve_until_signal(coordinator.server, config.drain_grace_s)
+            await serve_until_signal(coordinator.server, config.drain_grace_s,
+                                     before_drain=coordinator.servicer.shutting_down)
         finally:
             await coordinator.finish_work()
 

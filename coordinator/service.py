@@ -17,7 +17,7 @@ import contextvars
 import logging
 import threading
 
-from specdec import proto_convert as conv
+from specdec import errors, proto_convert as conv
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 
 from coordinator.engine import Coordinator, Delta, GenerateJob
@@ -52,6 +52,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.engine = engine
         self.executor = executor
         self.cleanups: set[asyncio.Future] = set()  # of requests that ended early, still running
+        self.end_streams_at: float | None = None  # loop time: set by :meth:`shutting_down`
+        self.drain_grace_s = 0.0
+
+    async def shutting_down(self, grace_s: float) -> None:
+        """SIGTERM: streams still open shortly before the drain grace runs out
+        end with UNAVAILABLE and a reason, not with grpc's "Cancelling all calls"
+        when the server stops. The margin lets the status and the session
+        cleanups go out before the server cancels what is left."""
+        self.drain_grace_s = grace_s
+        self.end_streams_at = asyncio.get_running_loop().time() + grace_s - min(0.5, grace_s / 2)
 
     async def Generate(self, request, context):
         job = job_from_proto(request)
@@ -63,14 +73,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         context = contextvars.copy_context()
         step = None
         finished = False
+        streamed = 0
         try:
             while True:
+                if self.end_streams_at is not None and loop.time() >= self.end_streams_at:
+                    raise errors.Draining(
+                        f"the coordinator is shutting down and its drain grace ({self.drain_grace_s:g} s) ran "
+                        f"out after {streamed} generated tokens were streamed; send the request again (to "
+                        "another coordinator)")
                 step = self.executor.submit(context.run, next, steps, _END)
                 # shield: a cancellation must not abandon the step running on the thread
                 event = await asyncio.shield(asyncio.wrap_future(step))
                 if event is _END:
                     finished = True
                     return
+                if isinstance(event, Delta):
+                    streamed += len(event.token_ids)
                 yield event_to_proto(event)
         except (asyncio.CancelledError, GeneratorExit):  # the client has gone
             gone.set()  # no round starts for it now; its session's next request waits for the cleanup

@@ -421,7 +421,8 @@ def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
             raise ValueError(f"gamma_policy {spec!r}: gamma must be in [0, {gamma_max}], got {gamma}")
         return StaticGamma(gamma)
     if text == "heuristic":
-        return HeuristicGamma(gamma=min(HeuristicGamma.gamma, max(gamma_max, 1)), gamma_max=max(gamma_max, 1))
+        # gamma_max 0 (speculation off): γ starts at 0, and a round drafting nothing changes nothing
+        return HeuristicGamma(gamma=min(HeuristicGamma.gamma, gamma_max), gamma_max=gamma_max)
     if text == "adaptive":
         return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max))
     raise ValueError(

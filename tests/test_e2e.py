@@ -391,18 +391,20 @@ def test_a_target_stopped_mid_generation_finishes_it_first(cluster, reference):
 
 
 def test_a_generation_cut_by_the_drain_grace_ends_its_session_in_both_services(cluster):
-    """The grace runs out mid-generation: the client gets an error, and before
-    the coordinator closes its channels the cancelled request ends its session
-    on both services (it would otherwise stay there until their TTL)."""
+    """The grace runs out mid-generation: the client gets UNAVAILABLE saying
+    why, and before the coordinator closes its channels the cancelled request
+    ends its session on both services (it would otherwise stay there until
+    their TTL)."""
     cg = cluster["Cg"]
     with Client(cg.address, timeout=60) as c:
         stream = c.generate(prompt_ids=[100, 101, 102], max_new_tokens=CAP, gamma_policy="static:0",
                             session_id="cut-by-drain")
         next(stream)
         cg.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(errors.Unavailable):
+        with pytest.raises(errors.Unavailable) as cut:
             for _ in stream:
                 pass
+    assert "coordinator is shutting down and its drain grace (0.1 s) ran out" in str(cut.value), cut.value
     assert cg.proc.wait(30) == 0
     log = cg.log()
     assert "Traceback" not in log and "never retrieved" not in log, log

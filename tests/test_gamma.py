@@ -296,6 +296,12 @@ def test_parse_policies():
     assert parse_gamma_policy("static:3", 8) == StaticGamma(3)
     assert isinstance(parse_gamma_policy("heuristic", 8), HeuristicGamma)
     assert isinstance(parse_gamma_policy("Adaptive", 8), AdaptiveGamma)
+    # where the services allow no drafts (gamma_max 0) every policy decodes plainly
+    for spec in ("heuristic", "adaptive", "static:0"):
+        policy = parse_gamma_policy(spec, 0)
+        for _ in range(3):
+            assert policy.choose() == 0, spec
+            policy.observe(RoundResult([1], 0, 0, 0.001, 0.005, None, 0.0))
     for bad, word in [("static:x", "integer"), ("static:9", r"\[0, 8\]"), ("fastest", "not understood")]:
         with pytest.raises(ValueError, match=word):
             parse_gamma_policy(bad, 8)

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"],
                    help=f"target service port (default {DEFAULT_PORTS['target']})")
     p.add_argument("--drain-grace", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, seconds in-flight calls may take to finish (default 30)")
+                   help="on SIGTERM, seconds the generations in flight may take to finish (default 30)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus /metrics: the coordinator on PORT, the draft service on PORT+1, "
                         "the target service on PORT+2 (deploy/prometheus/prometheus-local.yml scrapes "
