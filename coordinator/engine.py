@@ -105,7 +105,13 @@ class Coordinator:
         timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s, metrics=metrics)
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
+        # The pair's facts, asked for at the first request and again after either
+        # connection dropped (the service may be back with another model, context
+        # or γ limit); _pair_epoch counts the drops, so a check that started
+        # before one does not store what it read.
         self._pair: PairInfo | None = None
+        self._pair_epoch = 0
+        self._last_pair: PairInfo | None = None  # the last one read, to log a change
         # Sessions with a request in progress -> that request's cancellation
         # event (set: its client has gone, its cleanup is under way);
         # _released is notified when one ends.
@@ -114,13 +120,26 @@ class Coordinator:
         self._released = threading.Condition(self._lock)
         self._learned_adaptive: dict[tuple, AdaptiveGamma] = {}  # by _regime(), least recent first
         self._first_request = True  # set until a request has finished
+        self.draft.on_connection_lost(lambda: self._forget_pair("draft"))
+        self.target.on_connection_lost(lambda: self._forget_pair("target"))
 
     # ------------------------------------------------------------- the pair
 
+    def _forget_pair(self, role: str) -> None:
+        with self._lock:
+            self._pair_epoch += 1
+            known, self._pair = self._pair, None
+        if known is not None:
+            log.info("lost the connection to the %s service: the model pair is checked again at the next request",
+                     role)
+
     def pair(self) -> PairInfo:
-        """Ask both services what they serve (once) and check they can work
-        together: same vocabulary size and tokenizer fingerprint."""
-        if self._pair is None:
+        """Ask both services what they serve and check they can work together:
+        same vocabulary size and tokenizer fingerprint. Asked once, and again
+        after a connection to either dropped."""
+        with self._lock:
+            pair, epoch = self._pair, self._pair_epoch
+        if pair is None:
             d, t = self.draft.model_info(), self.target.model_info()
             where = (f"draft {d.model_name!r} at {self.draft.address}", f"target {t.model_name!r} at {self.target.address}")
             try:
@@ -137,16 +156,24 @@ class Coordinator:
                     )
             # A policy growing past a service's limit would fail mid-stream (older services report none).
             limits = [info.gamma_max for info in (d, t) if info.HasField("gamma_max")]
-            self._pair = PairInfo(
+            pair = PairInfo(
                 vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
                 eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name, target_name=t.model_name,
                 gamma_max=min([self.config.gamma_max, *limits]),
             )
-            log.info("model pair: %s + %s (vocab %d, context %d)", where[0], where[1], t.vocab_size, self._pair.context)
-            if self._pair.gamma_max < self.config.gamma_max:
-                log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
-                            "their --gamma-max)", self._pair.gamma_max, self.config.gamma_max)
-        return self._pair
+            with self._lock:
+                if self._pair_epoch == epoch:
+                    self._pair = pair
+                before, self._last_pair = self._last_pair, pair
+            if pair != before:  # the first check, or the services came back different
+                log.log(logging.INFO if before is None else logging.WARNING,
+                        "model pair%s: %s + %s (vocab %d, context %d, eos %s, gamma max %d)",
+                        "" if before is None else " changed", where[0], where[1], pair.vocab_size, pair.context,
+                        sorted(pair.eos_token_ids), pair.gamma_max)
+                if pair.gamma_max < self.config.gamma_max:
+                    log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
+                                "their --gamma-max)", pair.gamma_max, self.config.gamma_max)
+        return pair
 
     # ------------------------------------------------------------- γ policies
 
@@ -180,11 +207,12 @@ class Coordinator:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
         self._claim(session_id)  # no Generate may start on it meanwhile (never False: nothing cancels it)
         try:
-            if self.directory.get(session_id) is None:
+            record = self.directory.get(session_id)
+            if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
             self.directory.delete(session_id)
-            self.draft.end_session(session_id)
-            self.target.end_session(session_id)
+            self.draft.end_session(record.service_session_id or session_id)
+            self.target.end_session(record.service_session_id or session_id)
             return True
         finally:
             self._release(session_id)
@@ -276,10 +304,11 @@ class Coordinator:
             record = self.directory.get(sid) if named else None
             existed = record is not None
             if record is None:
-                record = SessionRecord(session_id=sid)
-                if named:  # forgotten here but maybe still held there: start clean (round ids restart)
-                    self.draft.end_session(sid)
-                    self.target.end_session(sid)
+                # A fresh name in the services: what they may hold under an earlier
+                # record of this id (forgotten here, or another coordinator's) is
+                # not this session's history. Their TTL frees it.
+                record = SessionRecord(session_id=sid,
+                                       service_session_id=f"{sid}~{uuid.uuid4().hex[:12]}" if named else sid)
             tokens = record.tokens + prompt_ids
             if len(tokens) >= pair.context:
                 history = f" ({len(tokens)} with the session history)" if record.tokens else ""
@@ -307,11 +336,12 @@ class Coordinator:
         the client received of it cannot be known (gRPC buffers a stream's
         messages), so a client that wants to keep it sends it again."""
         ids = RoundIds(record.next_round_id)
+        key = record.service_session_id or sid  # the session's name in the services
         draft_stats, target_stats = SideStats(), SideStats()
         proposer = None
         if not (isinstance(policy, StaticGamma) and policy.gamma == 0):
-            proposer = RemoteProposer(self.draft, sid, state, ids, draft_stats)
-        verifier = RemoteVerifier(self.target, sid, state, ids, target_stats)
+            proposer = RemoteProposer(self.draft, key, state, ids, draft_stats)
+        verifier = RemoteVerifier(self.target, key, state, ids, target_stats)
         text = TextStream(self.tokenizer, job.stop, context_ids=state.tokens) if self.tokenizer else None
         start_len = len(state.tokens)
         gammas, accepted = [], []
@@ -367,8 +397,8 @@ class Coordinator:
                 # from before this turn and is re-pre-filled if it continues.
                 log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services; "
                          "the session's history stays as before this turn", sid, len(state.tokens) - start_len)
-                self.draft.end_session(sid)
-                self.target.end_session(sid)
+                self.draft.end_session(key)
+                self.target.end_session(key)
                 if existed:
                     record.draft_synced = record.target_synced = 0
                     self.directory.put(record)
@@ -380,8 +410,8 @@ class Coordinator:
                 self.directory.put(record)
             else:
                 if proposer is not None:
-                    self.draft.end_session(sid)
-                self.target.end_session(sid)
+                    self.draft.end_session(key)
+                self.target.end_session(key)
         generated = len(state.tokens) - start_len
         log.info("%s: %d prompt + %d new tokens in %.2f s, %d rounds, accepted %d/%d drafts, finish %s",
                  sid, len(prompt_ids), generated, elapsed, len(gammas), sum(accepted), sum(gammas), finish)

@@ -60,6 +60,22 @@ class ServiceClient:
         self.stub = stub_cls(self.channel)
         # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
         self.calls = ClientCalls(role, DRAFT_SERVICE if role == "draft" else TARGET_SERVICE, metrics)
+        self._watchers: list = []  # connectivity callbacks, unsubscribed on close
+
+    def on_connection_lost(self, lost) -> None:
+        """Call ``lost()`` (on a grpc thread) whenever the channel leaves READY:
+        the connection dropped, so what answers next may be another process (a
+        restart, perhaps with another model or other limits) or, after the
+        channel's idle timeout, the same one."""
+        previous = [None]
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            if previous[0] == grpc.ChannelConnectivity.READY and state != grpc.ChannelConnectivity.READY:
+                lost()
+            previous[0] = state
+
+        self.channel.subscribe(changed)
+        self._watchers.append(changed)
 
     def model_info(self) -> pb.ModelInfo:
         """A service that is still starting (not listening yet, or loading its
@@ -106,6 +122,8 @@ class ServiceClient:
         return err
 
     def close(self) -> None:
+        for callback in self._watchers:
+            self.channel.unsubscribe(callback)
         self.channel.close()
 
 

@@ -109,6 +109,12 @@ class FakeTarget(FakeService, pb_grpc.TargetServiceServicer):
         return pb.VerifyResponse(accepted=n, next_token=nxt)
 
 
+def named(session_id: str, keys) -> bool:
+    """Whether a fake service saw the coordinator's session ``session_id``
+    among ``keys``: the services know it as the id plus a random suffix."""
+    return any(key.startswith(session_id + "~") for key in keys)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return load_tokenizer(add_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
@@ -244,7 +250,7 @@ def test_evicted_sessions_are_re_pre_filled_from_the_history(fakes):
     # first a NOT_FOUND at the synced position, then position 0 with the whole history
     assert target.calls[0][1] > 0 and target.calls[1][1:] == (0, history)
     assert draft.calls[1][1] == 0 and draft.calls[1][2] >= history - 2
-    assert "e" in target.sessions
+    assert named("e", target.sessions)
 
 
 def test_a_session_lost_twice_in_one_round_is_an_error_not_a_loop(fakes):
@@ -276,9 +282,9 @@ def test_cancelling_ends_the_session_in_both_services(fakes):
     steps = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=200, session_id="c",
                                         gamma_policy="static:2"))
     next(steps), next(steps)
-    assert "c" in draft.sessions and "c" in target.sessions
+    assert named("c", draft.sessions) and named("c", target.sessions)
     steps.close()  # the client left before the second round's delta was sent
-    assert "c" in draft.ended and "c" in target.ended
+    assert named("c", draft.ended) and named("c", target.ended)
     # A new session whose first turn did not finish is not kept.
     assert engine.directory.get("c") is None
 
@@ -358,7 +364,20 @@ def test_a_cancelled_request_runs_no_more_rounds_and_marks_no_other(fakes):
     calls = len(target.calls)
     gone.set()
     assert list(a) == []  # the next step: no round, no delta, no stats
-    assert len(target.calls) == calls and "s" in target.ended
+    assert len(target.calls) == calls and named("s", target.ended)
+
+
+def test_two_coordinators_with_one_session_id_keep_their_own_histories(fakes):
+    """Session ids are the clients' names; two coordinators in front of the same
+    services (a blue/green rollout, or a restart that lost the directory) may
+    both see "x". Each continues its own history, never the other's KV state."""
+    draft, target, make = fakes
+    a, b = make(), make()
+    run(a, prompt_ids=(104, 101, 108), max_new_tokens=6, session_id="x", gamma_policy="static:3")
+    run(b, prompt_ids=(33,), max_new_tokens=4, session_id="x", gamma_policy="static:3")
+    ids, _, _ = run(a, prompt_ids=(33, 33), max_new_tokens=8, session_id="x", gamma_policy="static:3")
+    assert ids == expected_tokens(3 + 6 + 2, 8)  # A's history, not B's
+    assert len([k for k in target.sessions if named("x", [k])]) == 2
 
 
 def test_one_request_per_session_at_a_time(fakes):
@@ -387,6 +406,44 @@ def test_draft_and_target_must_share_the_vocabulary(fakes, field, value, words):
     with pytest.raises(errors.FailedPrecondition) as exc:
         run(make(), prompt_ids=(1, 2), max_new_tokens=2)
     assert words in str(exc.value) and "target 'FakeTarget' at 127.0.0.1:" in str(exc.value)
+
+
+def _serve(servicer, add, port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    add(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
+def test_a_service_back_with_another_model_is_checked_again():
+    """The pair's facts (EOS, context, γ limit, vocabulary) are asked for again
+    after a connection drops: a target restarted with another model must not be
+    served with the old one's EOS or limits."""
+    draft = FakeDraft()
+    draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
+    target_server, target_port = _serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)
+    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
+                                           info_timeout_s=5, call_timeout_s=5))
+    try:
+        ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
+        assert stats.finish_reason == "length" and len(ids) == 20
+        target_server.stop(None)
+        deadline = time.monotonic() + 10
+        while engine._pair is not None and time.monotonic() < deadline:  # the channel notices the drop
+            time.sleep(0.05)
+        restarted = FakeTarget(eos_at=12)
+        restarted.gamma_max = 2
+        target_server, _ = _serve(restarted, pb_grpc.add_TargetServiceServicer_to_server, target_port)
+        with pytest.raises(errors.InvalidRequest, match=r"gamma must be in \[0, 2\], got 3"):
+            run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
+        draft.eos_at = 12
+        ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:2")
+        assert ids == expected_tokens(3, 9) + [EOS] and stats.finish_reason == "eos"
+    finally:
+        engine.close()
+        draft_server.stop(None)
+        target_server.stop(None)
 
 
 def test_unreachable_service_is_unavailable_naming_it():
