@@ -12,6 +12,7 @@ session's state in both services.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -246,6 +247,13 @@ class Coordinator:
 
     # ------------------------------------------------------------- generate
 
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its string in the
+        vocabulary: byte-level BPE spells each byte as one character), so a text
+        prompt longer than context × this many characters cannot fit."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
     def validate(self, job: GenerateJob, pair: PairInfo) -> tuple[list[int], GammaPolicy]:
         """Everything that can be checked before touching a session; returns the
         prompt ids and a fresh γ policy. Raises InvalidRequest naming the problem."""
@@ -267,6 +275,11 @@ class Coordinator:
             raise errors.InvalidRequest(f"draft_top_k must be in [0, {pair.vocab_size}], got {job.draft_top_k}")
         policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, pair.gamma_max)
         if job.prompt:
+            longest = self._longest_token_chars
+            if len(job.prompt) > pair.context * longest:  # tokenizing megabytes takes seconds: refuse first
+                raise errors.InvalidRequest(
+                    f"prompt of {len(job.prompt)} characters cannot fit the model context of {pair.context} "
+                    f"tokens (no token stands for more than {longest} characters)")
             # No BOS/special tokens: the same ids as `specdec generate --local`, and a
             # later turn of a session appends plain text to the history.
             ids = list(self.tokenizer.encode(job.prompt, add_special_tokens=False))

@@ -6,9 +6,9 @@ Every call carries a deadline and the session's round id. When a service answers
 NOT_FOUND (it evicted the session, or restarted), the call is repeated once from
 position 0 with the whole token history: the service re-pre-fills and the round
 goes on as if nothing happened — the output cannot change, because the history
-is exactly what the service held before. An UNAVAILABLE answer is repeated once,
-with the same round id, so a call the service did apply is not applied twice; a
-service that stays down fails the request with UNAVAILABLE naming it.
+is exactly what the service held before. An UNAVAILABLE answer is repeated for up
+to 3 s, with the same round id, so a call the service did apply is not applied
+twice; a service that stays down fails the request with UNAVAILABLE naming it.
 """
 
 from __future__ import annotations
@@ -159,25 +159,31 @@ class RoundIds:
 
 
 class _Retries:
-    """What one failed call may do, once each. UNAVAILABLE: repeat it after a short
-    pause with the same round id (a service that did apply it answers from its
-    record instead of applying it twice). NOT_FOUND: the service lost the session;
-    start it again from position 0 with the whole history."""
+    """What one failed call may do. UNAVAILABLE: repeat it every 0.2 s for up
+    to REPEAT_FOR_S, with the same round id (a service that did apply it answers
+    from its record instead of applying it twice): long enough for the channel's
+    next reconnect attempt (its backoff is at most 2 s) to find a restarted
+    service. NOT_FOUND, once: the service lost the session; start it again from
+    position 0 with the whole history."""
 
     REPEAT_AFTER_S = 0.2
+    REPEAT_FOR_S = 3.0
 
     def __init__(self) -> None:
-        self.repeated = False
+        self.repeat_until: float | None = None
         self.refilled = False
 
     def after(self, e: grpc.RpcError, position: int, client: ServiceClient, session_id: str) -> str | None:
         code = e.code()
-        if code == grpc.StatusCode.UNAVAILABLE and not self.repeated:
-            self.repeated = True
-            log.info("%s service at %s unavailable (%s): repeating the call once", client.role, client.address,
-                     _details(e))
-            time.sleep(self.REPEAT_AFTER_S)
-            return "repeat"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            if self.repeat_until is None:
+                self.repeat_until = time.monotonic() + self.REPEAT_FOR_S
+                log.info("%s service at %s unavailable (%s): repeating the call for up to %.0f s", client.role,
+                         client.address, _details(e), self.REPEAT_FOR_S)
+            if time.monotonic() + self.REPEAT_AFTER_S < self.repeat_until:
+                time.sleep(self.REPEAT_AFTER_S)
+                return "repeat"
+            return None
         if code == grpc.StatusCode.NOT_FOUND and not self.refilled and position > 0:
             self.refilled = True
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",

@@ -22,6 +22,7 @@ in both model services. Failed calls raise the typed errors of
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Iterable, Iterator
 
 import grpc
@@ -93,7 +94,9 @@ class Client:
         sampling the draft samples from, and sends, its top ``draft_top_k``
         tokens (None: the coordinator's ``--draft-top-k``; 0: all of them).
         Breaking out of the loop cancels the request."""
-        prompt_ids = list(prompt_ids or ())  # once: an iterator would be used up by the check
+        # Plain ints, once (an iterator would be used up by the check); numpy and
+        # torch integers too, and not by truth value (an array has none).
+        prompt_ids = _token_ids(prompt_ids)
         _check_fields(prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
         sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
         if top_p != 1.0:
@@ -103,7 +106,7 @@ class Client:
         request = pb.GenerateRequest(
             session_id=session_id, prompt=prompt or "", prompt_ids=prompt_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
-            stop=[stop] if isinstance(stop, str) else list(stop), draft_top_k=draft_top_k,
+            stop=[stop] if isinstance(stop, str) else list(stop or ()), draft_top_k=draft_top_k,
         )  # draft_top_k=None leaves the optional field unset
         call = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
         try:
@@ -170,6 +173,18 @@ class Client:
 
 _UINT32, _UINT64 = 2**32 - 1, 2**64 - 1
 _FIELD_MAX = {"max_new_tokens": _UINT32, "top_k": _UINT32, "seed": _UINT64, "draft_top_k": _UINT32}
+
+
+def _token_ids(prompt_ids) -> list[int]:
+    if prompt_ids is None:
+        return []
+    ids = []
+    for i, token in enumerate(prompt_ids):
+        try:
+            ids.append(operator.index(token))
+        except TypeError:
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer)") from None
+    return ids
 
 
 def _check_fields(prompt_ids, **fields) -> None:

@@ -49,6 +49,7 @@ class FakeService:
         self.lose_everything = False
         self.unavailable_once = False
         self.unavailable_always = False  # a service that stays down
+        self.unavailable_calls = 0  # a restart: the next calls find nobody
         self.stopping = False  # a service shutting down: grpc cancels its calls
         self.round_ids: list[int] = []
         self.gamma_max: int | None = None  # reported in ModelInfo when set
@@ -56,8 +57,9 @@ class FakeService:
     def _seq(self, request, context) -> list[int]:
         self.calls.append((request.session_id, request.position, len(request.new_tokens)))
         self.round_ids.append(request.round_id)
-        if self.unavailable_once or self.unavailable_always:
+        if self.unavailable_once or self.unavailable_always or self.unavailable_calls:
             self.unavailable_once = False
+            self.unavailable_calls = max(0, self.unavailable_calls - 1)
             context.abort(grpc.StatusCode.UNAVAILABLE, "blip")
         if self.stopping:
             context.abort(grpc.StatusCode.CANCELLED, "Cancelling all calls")
@@ -263,7 +265,7 @@ def test_a_session_lost_twice_in_one_round_is_an_error_not_a_loop(fakes):
     assert [c[1] for c in target.calls[-2:]] == [6, 0]  # one retry from position 0, then the error
 
 
-def test_an_unavailable_blip_is_repeated_once_with_the_same_round_id(fakes):
+def test_an_unavailable_blip_is_repeated_with_the_same_round_id(fakes):
     draft, target, make = fakes
     engine = make()
     steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=12, gamma_policy="static:3"))
@@ -274,6 +276,24 @@ def test_an_unavailable_blip_is_repeated_once_with_the_same_round_id(fakes):
     for fake in (draft, target):
         blip = next(i for i in range(1, len(fake.round_ids)) if fake.round_ids[i] == fake.round_ids[i - 1])
         assert fake.calls[blip] == fake.calls[blip - 1]  # the very same call again
+
+
+def test_a_service_back_within_seconds_is_waited_for_and_one_that_stays_down_fails(fakes):
+    """A restart (about a second without the service) costs a pause, not the
+    request; a service down for good fails it with UNAVAILABLE after a few
+    seconds of repeats, naming the service."""
+    draft, target, make = fakes
+    engine = make()
+    steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=12, gamma_policy="static:3"))
+    next(steps)
+    target.unavailable_calls = 5  # ~1 s of repeats
+    ids = [t for e in steps if isinstance(e, Delta) for t in e.token_ids]
+    assert ids == expected_tokens(3, 12)[-len(ids):] and target.unavailable_calls == 0
+    target.unavailable_always = True
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable, match="target service at .* did not answer Verify"):
+        run(engine, prompt_ids=(104,), max_new_tokens=4, gamma_policy="static:0")
+    assert 2.5 < time.monotonic() - started < 10
 
 
 def test_cancelling_ends_the_session_in_both_services(fakes):
@@ -462,6 +482,25 @@ def test_text_prompts_need_a_tokenizer(fakes):
         run(make(), prompt="hello", max_new_tokens=2)
     with pytest.raises(errors.InvalidRequest, match="no tokenizer"):
         run(make(), prompt_ids=(1,), stop=("x",), max_new_tokens=2)
+
+
+def test_a_text_prompt_that_cannot_fit_is_refused_before_tokenizing(fakes, tokenizer):
+    """Tokenizing megabytes of text takes seconds of the coordinator's CPU: a
+    prompt with more characters than the context's tokens could spell is
+    refused first."""
+    _, _, make = fakes
+    engine = make(tokenizer)
+    longest = max(map(len, tokenizer.get_vocab()))
+    encode = tokenizer.encode
+    tokenizer.encode = None  # would fail if called
+    try:
+        with pytest.raises(errors.InvalidRequest, match=rf"prompt of {512 * longest + 1} characters cannot fit "
+                                                        rf"the model context of 512 tokens"):
+            run(engine, prompt="a" * (512 * longest + 1), max_new_tokens=2)
+    finally:
+        tokenizer.encode = encode
+    with pytest.raises(errors.InvalidRequest, match="does not fit the model context of 512"):
+        run(engine, prompt="é" * 300, max_new_tokens=2)  # within the bound, but 600 byte tokens
 
 
 # ------------------------------------------------------------------ pure parts

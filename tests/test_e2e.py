@@ -450,6 +450,20 @@ def test_bad_generate_requests(client, case, kwargs, code, words):
     assert words in str(exc.value)
 
 
+def test_prompt_ids_may_be_arrays_tensors_or_iterators(client):
+    """Token ids as tokenizers and models hand them out: numpy and torch
+    integers (an array has no truth value, so the client must not ask it one)."""
+    import numpy as np
+    import torch
+
+    expected = client.complete(prompt_ids=[0, 7, 9], max_new_tokens=4).token_ids
+    for ids in (np.array([0, 7, 9]), torch.tensor([0, 7, 9]), iter([0, 7, 9]), np.array([0, 7, 9], dtype=np.int32)):
+        assert client.complete(prompt_ids=ids, max_new_tokens=4, stop=None).token_ids == expected, type(ids)
+    assert client.complete(prompt_ids=np.array([0]), max_new_tokens=2).stats.prompt_tokens == 1
+    with pytest.raises(errors.InvalidRequest, match=r"prompt_ids\[1\] = 2.5 is not a token id"):
+        client.complete(prompt_ids=[1, 2.5], max_new_tokens=2)
+
+
 def test_bad_session_calls_and_still_serving(client, cluster):
     with pytest.raises(errors.SessionNotFound, match="'no-such-session' is unknown"):
         client.close_session("no-such-session")
