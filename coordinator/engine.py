@@ -322,6 +322,8 @@ class Coordinator:
                 # not this session's history. Their TTL frees it.
                 record = SessionRecord(session_id=sid,
                                        service_session_id=f"{sid}~{uuid.uuid4().hex[:12]}" if named else sid)
+                if named:
+                    log.info("%s: a new session (no history here: stats.history_tokens is 0)", sid)
             tokens = record.tokens + prompt_ids
             if len(tokens) >= pair.context:
                 history = f" ({len(tokens)} with the session history)" if record.tokens else ""
@@ -440,6 +442,7 @@ class Coordinator:
             draft_network_s=draft_stats.network_s, target_network_s=target_stats.network_s,
             bytes_sent=int(draft_stats.total("bytes_out") + target_stats.total("bytes_out")),
             bytes_received=int(draft_stats.total("bytes_in") + target_stats.total("bytes_in")),
+            history_tokens=start_len - len(prompt_ids),
         )
 
     @staticmethod

@@ -159,12 +159,13 @@ class RoundIds:
 
 
 class _Retries:
-    """What one failed call may do. UNAVAILABLE: repeat it every 0.2 s for up
-    to REPEAT_FOR_S, with the same round id (a service that did apply it answers
-    from its record instead of applying it twice): long enough for the channel's
-    next reconnect attempt (its backoff is at most 2 s) to find a restarted
-    service. NOT_FOUND, once: the service lost the session; start it again from
-    position 0 with the whole history."""
+    """What one failed call may do. UNAVAILABLE: repeat it with the same round id
+    (a service that did apply it answers from its record instead of applying it
+    twice): once after 0.2 s if the service itself refused (shutting down, still
+    loading), every 0.2 s for up to REPEAT_FOR_S if it could not be reached, long
+    enough for the channel's next reconnect attempt (its backoff is at most
+    2 s) to find a restarted service. NOT_FOUND, once: the service lost the
+    session; start it again from position 0 with the whole history."""
 
     REPEAT_AFTER_S = 0.2
     REPEAT_FOR_S = 3.0
@@ -177,10 +178,11 @@ class _Retries:
         code = e.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             if self.repeat_until is None:
-                self.repeat_until = time.monotonic() + self.REPEAT_FOR_S
-                log.info("%s service at %s unavailable (%s): repeating the call for up to %.0f s", client.role,
-                         client.address, _details(e), self.REPEAT_FOR_S)
-            if time.monotonic() + self.REPEAT_AFTER_S < self.repeat_until:
+                window = self.REPEAT_AFTER_S if errors.raised_by_server(e) else self.REPEAT_FOR_S
+                self.repeat_until = time.monotonic() + window
+                log.info("%s service at %s unavailable (%s): repeating the call for up to %.1f s", client.role,
+                         client.address, _details(e), window)
+            if time.monotonic() < self.repeat_until:
                 time.sleep(self.REPEAT_AFTER_S)
                 return "repeat"
             return None

@@ -117,6 +117,22 @@ def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNKNOWN, str(err)
 
 
+# Trailing metadata on every status a specdec server sends on purpose: the error's
+# type. A caller tells a service's own refusal (UNAVAILABLE "shutting down") from a
+# transport failure (UNAVAILABLE "failed to connect") by it.
+ERROR_TYPE_KEY = "specdec-error"
+
+
+def raised_by_server(err: grpc.RpcError) -> str | None:
+    """Client side: the error type a specdec server answered with, or None when
+    the status did not come from one (a connection failure, a deadline)."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 -- not a call's error
+        return None
+    return next((value for key, value in metadata if key == ERROR_TYPE_KEY), None)
+
+
 def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     """Client side: the typed error for a failed call (the caller re-raises it).
     ``PositionMismatch`` comes back as its base ``FailedPrecondition``."""
@@ -166,7 +182,7 @@ async def answer_failure(context: grpc.aio.ServicerContext, exc: BaseException, 
         log.error("%s failed: %s", method, message, exc_info=exc)
     else:
         log.info("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    await context.abort(code, message, trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__),))
 
 
 def _wrap_unary(behavior, method: str):

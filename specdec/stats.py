@@ -30,6 +30,7 @@ class GenerationStats:
     target_network_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    history_tokens: int = 0  # the session's tokens before this turn (0: a new session)
 
     @property
     def acceptance_rate(self) -> float:

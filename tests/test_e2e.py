@@ -243,8 +243,10 @@ def test_multi_turn_session_prefills_only_the_suffix(client, reference):
     # A policy that drafts every round keeps the draft in step (γ = 0 rounds let it lag).
     t1 = client.complete(prompt_ids=p1, max_new_tokens=20, session_id="multi-turn", gamma_policy="static:3")
     assert t1.stats.target_prefill_tokens == len(p1) and t1.stats.session_id == "multi-turn"
+    assert t1.stats.history_tokens == 0  # a new session
     t2 = client.complete(prompt_ids=p2, max_new_tokens=20, session_id="multi-turn", gamma_policy="static:3")
     history = p1 + t1.token_ids + p2
+    assert t2.stats.history_tokens == len(p1) + 20
     assert t2.token_ids == greedy_ref(reference, history, 20)
     # only the new prompt (and the last generated token, never run yet) went through the target
     assert t2.stats.target_prefill_tokens == len(p2) + 1

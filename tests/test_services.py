@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from service_harness import LoopThread, channel, start_service
-from specdec import proto_convert as pc
+from specdec import errors, proto_convert as pc
 from specdec.local import draft_tokens, verify_drafts
 from specdec.model_runner import ModelRunner
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
@@ -266,6 +266,8 @@ def test_a_stopping_service_finishes_the_generations_it_holds(loop, tiny_pair):
             verify(stub, new_session(), 0, PROMPT, [])
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "cannot start: this service is shutting down" in e.value.details()
+        # the service's own refusal, which a caller tells from "could not connect"
+        assert errors.raised_by_server(e.value) == "Draining"
         for i in range(1, 5):  # its next rounds are answered, 0.3 s apart (inside the gap)
             time.sleep(0.3)
             verify(stub, sid, len(PROMPT) + i, [], [], round_id=i)

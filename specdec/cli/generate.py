@@ -171,7 +171,9 @@ def _run_remote(args: argparse.Namespace) -> int:
         print()
         print(
             f"[{stats.generated_tokens} tokens in {stats.elapsed_s:.2f}s ({stats.tokens_per_second:.1f} tok/s), "
-            f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f}, finish {stats.finish_reason}]",
+            f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f}, finish {stats.finish_reason}"
+            + (f"; session {args.session!r}: {stats.history_tokens} tokens of history before this turn"
+               if args.session else "") + "]",
             file=sys.stderr,
         )
     return 0
