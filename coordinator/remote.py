@@ -61,6 +61,7 @@ class ServiceClient:
         # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
         self.calls = ClientCalls(role, DRAFT_SERVICE if role == "draft" else TARGET_SERVICE, metrics)
         self._watchers: list = []  # connectivity callbacks, unsubscribed on close
+        self.timed_out_at = float("-inf")  # when a call last ran out its deadline
 
     def on_connection_lost(self, lost) -> None:
         """Call ``lost()`` (on a grpc thread) whenever the channel leaves READY:
@@ -95,9 +96,14 @@ class ServiceClient:
     def end_session(self, session_id: str) -> bool:
         """Free the session's state in the service; best effort (a dead service
         holds nothing to free), so failures are logged, not raised."""
+        # A service that just let a round call run out its deadline (hung, or
+        # overloaded) would likely hold the request's error back by the whole
+        # info timeout too: it gets a second; its TTL frees what it keeps.
+        hung = time.monotonic() - self.timed_out_at < self.call_timeout_s
         try:
             with self.calls.call("EndSession") as call:
-                return self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=self.info_timeout_s,
+                return self.stub.EndSession(pb.EndSessionRequest(session_id=session_id),
+                                            timeout=min(1.0, self.info_timeout_s) if hung else self.info_timeout_s,
                                             metadata=call.metadata).existed
         except grpc.RpcError as e:
             log.warning("EndSession(%s) on %s service %s failed: %s", session_id, self.role, self.address, _details(e))
@@ -115,6 +121,8 @@ class ServiceClient:
         if code == grpc.StatusCode.CANCELLED:  # a stopping server cancels its calls (or our channel closed)
             return errors.Unavailable(f"{where} cancelled {method} (is it shutting down or restarting?): "
                                       f"{_details(e)}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.timed_out_at = time.monotonic()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
         err = errors.from_rpc_error(e)

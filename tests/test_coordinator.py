@@ -50,11 +50,13 @@ class FakeService:
         self.unavailable_once = False
         self.unavailable_always = False  # a service that stays down
         self.unavailable_calls = 0  # a restart: the next calls find nobody
+        self.hang_s = 0.0  # a hung service: every call (EndSession too) takes this long
         self.stopping = False  # a service shutting down: grpc cancels its calls
         self.round_ids: list[int] = []
         self.gamma_max: int | None = None  # reported in ModelInfo when set
 
     def _seq(self, request, context) -> list[int]:
+        time.sleep(self.hang_s)
         self.calls.append((request.session_id, request.position, len(request.new_tokens)))
         self.round_ids.append(request.round_id)
         if self.unavailable_once or self.unavailable_always or self.unavailable_calls:
@@ -82,6 +84,7 @@ class FakeService:
                             gamma_max=self.gamma_max)
 
     def EndSession(self, request, context):
+        time.sleep(self.hang_s)
         self.ended.append(request.session_id)
         return pb.EndSessionResponse(existed=self.sessions.pop(request.session_id, None) is not None)
 
@@ -138,7 +141,8 @@ def fakes():
         servers.append(server)
 
     def make_engine(tokenizer=None, **config):
-        cfg = CoordinatorConfig(draft=addresses[0], target=addresses[1], info_timeout_s=5, call_timeout_s=5, **config)
+        cfg = CoordinatorConfig(**{"draft": addresses[0], "target": addresses[1], "info_timeout_s": 5,
+                                   "call_timeout_s": 5, **config})
         engine = Coordinator(cfg, tokenizer=tokenizer)
         engines.append(engine)
         return engine
@@ -294,6 +298,20 @@ def test_a_service_back_within_seconds_is_waited_for_and_one_that_stays_down_fai
     with pytest.raises(errors.Unavailable, match="target service at .* did not answer Verify"):
         run(engine, prompt_ids=(104,), max_new_tokens=4, gamma_policy="static:0")
     assert 2.5 < time.monotonic() - started < 10
+
+
+def test_a_hung_service_fails_the_request_after_the_call_deadline_not_more(fakes):
+    """The call runs out its deadline; ending the session on that same hung
+    service must not hold the error back by the info timeout too."""
+    _, target, make = fakes
+    engine = make(call_timeout_s=0.5, info_timeout_s=10)
+    engine.pair()
+    target.hang_s = 4.0
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable, match="did not answer Verify .DEADLINE_EXCEEDED"):
+        run(engine, prompt_ids=(104,), max_new_tokens=4, gamma_policy="static:0")
+    assert time.monotonic() - started < 3  # 0.5 s deadline + 1 s for EndSession (4 s before)
+    target.hang_s = 0.0
 
 
 def test_cancelling_ends_the_session_in_both_services(fakes):
