@@ -134,13 +134,13 @@ class Coordinator:
             log.info("lost the connection to the %s service: the model pair is checked again at the next request",
                      role)
 
-    def pair(self) -> PairInfo:
+    def pair(self, fresh: bool = False) -> PairInfo:
         """Ask both services what they serve and check they can work together:
         same vocabulary size and tokenizer fingerprint. Asked once, and again
-        after a connection to either dropped."""
+        after a connection to either dropped (or when ``fresh``)."""
         with self._lock:
             pair, epoch = self._pair, self._pair_epoch
-        if pair is None:
+        if pair is None or fresh:
             d, t = self.draft.model_info(), self.target.model_info()
             where = (f"draft {d.model_name!r} at {self.draft.address}", f"target {t.model_name!r} at {self.target.address}")
             try:
@@ -171,6 +171,10 @@ class Coordinator:
                         "model pair%s: %s + %s (vocab %d, context %d, eos %s, gamma max %d)",
                         "" if before is None else " changed", where[0], where[1], pair.vocab_size, pair.context,
                         sorted(pair.eos_token_ids), pair.gamma_max)
+                if before is not None:  # what adaptive γ learnt belongs to the old pair
+                    with self._lock:
+                        self._learned_adaptive.clear()
+                        self._first_request = True
                 if pair.gamma_max < self.config.gamma_max:
                     log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
                                 "their --gamma-max)", pair.gamma_max, self.config.gamma_max)
@@ -354,9 +358,19 @@ class Coordinator:
         key = record.service_session_id or sid  # the session's name in the services
         draft_stats, target_stats = SideStats(), SideStats()
         proposer = None
+        def same_pair() -> None:
+            """A service lost the session mid-turn, as a restarted one would: one
+            turn never mixes two models."""
+            now = self.pair(fresh=True)
+            if now != pair:
+                raise errors.Unavailable(
+                    f"the services changed during this turn (now draft {now.draft_name!r}, target "
+                    f"{now.target_name!r}, context {now.context}; the turn began with {pair.draft_name!r}, "
+                    f"{pair.target_name!r}, context {pair.context}): the turn is stopped, send it again")
+
         if not (isinstance(policy, StaticGamma) and policy.gamma == 0):
-            proposer = RemoteProposer(self.draft, key, state, ids, draft_stats)
-        verifier = RemoteVerifier(self.target, key, state, ids, target_stats)
+            proposer = RemoteProposer(self.draft, key, state, ids, draft_stats, same_pair)
+        verifier = RemoteVerifier(self.target, key, state, ids, target_stats, same_pair)
         text = TextStream(self.tokenizer, job.stop, context_ids=state.tokens) if self.tokenizer else None
         start_len = len(state.tokens)
         gammas, accepted = [], []

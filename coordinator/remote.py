@@ -6,9 +6,12 @@ Every call carries a deadline and the session's round id. When a service answers
 NOT_FOUND (it evicted the session, or restarted), the call is repeated once from
 position 0 with the whole token history: the service re-pre-fills and the round
 goes on as if nothing happened — the output cannot change, because the history
-is exactly what the service held before. An UNAVAILABLE answer is repeated for up
-to 3 s, with the same round id, so a call the service did apply is not applied
-twice; a service that stays down fails the request with UNAVAILABLE naming it.
+is exactly what the service held before (and the coordinator first checks that
+the service still serves the same model: a restart loses sessions too). An
+UNAVAILABLE answer is repeated with the same round id, so a call the service did
+apply is not applied twice: for up to 3 s when the service could not be reached,
+once when it refused itself (shutting down, loading); a service that stays down
+fails the request with UNAVAILABLE naming it.
 """
 
 from __future__ import annotations
@@ -173,12 +176,15 @@ class _Retries:
     loading), every 0.2 s for up to REPEAT_FOR_S if it could not be reached, long
     enough for the channel's next reconnect attempt (its backoff is at most
     2 s) to find a restarted service. NOT_FOUND, once: the service lost the
-    session; start it again from position 0 with the whole history."""
+    session; start it again from position 0 with the whole history, after
+    ``before_refill()`` (the coordinator checks that the service still serves
+    the model the turn started with; it raises to stop the turn)."""
 
     REPEAT_AFTER_S = 0.2
     REPEAT_FOR_S = 3.0
 
-    def __init__(self) -> None:
+    def __init__(self, before_refill) -> None:
+        self.before_refill = before_refill
         self.repeat_until: float | None = None
         self.refilled = False
 
@@ -196,6 +202,7 @@ class _Retries:
             return None
         if code == grpc.StatusCode.NOT_FOUND and not self.refilled and position > 0:
             self.refilled = True
+            self.before_refill()  # a lost session may mean another process: is it still the same model?
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",
                      client.role, session_id, _details(e))
             return "refill"
@@ -205,13 +212,15 @@ class _Retries:
 class RemoteProposer:
     """The draft service as a :class:`specdec.rounds.Proposer` for one session."""
 
-    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats):
+    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
+                 before_refill=lambda: None):
         self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
+        self.before_refill = before_refill  # may raise: see _Retries
 
     def propose(
         self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams, draft_top_k: int
     ) -> Iterator[DraftToken]:
-        retries = _Retries()
+        retries = _Retries(self.before_refill)
         while True:
             request = conv.propose_request(
                 self.session_id, self.ids.next_id, position, new_tokens, gamma, params, draft_top_k
@@ -255,13 +264,15 @@ class RemoteProposer:
 class RemoteVerifier:
     """The target service as a :class:`specdec.rounds.Verifier` for one session."""
 
-    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats):
+    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
+                 before_refill=lambda: None):
         self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
+        self.before_refill = before_refill  # may raise: see _Retries
 
     def verify(
         self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
     ) -> Verdict:
-        retries = _Retries()
+        retries = _Retries(self.before_refill)
         while True:
             request = conv.verify_request(self.session_id, self.ids.next_id, position, new_tokens, drafts, params)
             try:

@@ -100,6 +100,8 @@ class RunningCoordinator:
         if grace_s is None:
             await self.server.stop()
         else:
+            if self.servicer is not None:
+                await self.servicer.shutting_down(grace_s)
             await self.server.drain(grace_s)
         await self.finish_work()
         if self.telemetry is not None:

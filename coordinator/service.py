@@ -73,14 +73,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         context = contextvars.copy_context()
         step = None
         finished = False
-        streamed = 0
+        streamed, stats_sent = 0, False
         try:
             while True:
-                if self.end_streams_at is not None and loop.time() >= self.end_streams_at:
+                # (Not once the stats are out: the turn is complete and stored.)
+                if self.end_streams_at is not None and loop.time() >= self.end_streams_at and not stats_sent:
                     raise errors.Draining(
                         f"the coordinator is shutting down and its drain grace ({self.drain_grace_s:g} s) ran "
-                        f"out after {streamed} generated tokens were streamed; send the request again (to "
-                        "another coordinator)")
+                        f"out after {streamed} generated tokens were streamed; the turn did not finish: send it "
+                        "again (a named session's history is in this coordinator's memory, gone with it)")
                 step = self.executor.submit(context.run, next, steps, _END)
                 # shield: a cancellation must not abandon the step running on the thread
                 event = await asyncio.shield(asyncio.wrap_future(step))
@@ -89,6 +90,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return
                 if isinstance(event, Delta):
                     streamed += len(event.token_ids)
+                else:
+                    stats_sent = True  # the last event
                 yield event_to_proto(event)
         except (asyncio.CancelledError, GeneratorExit):  # the client has gone
             gone.set()  # no round starts for it now; its session's next request waits for the cleanup

@@ -178,12 +178,22 @@ _FIELD_MAX = {"max_new_tokens": _UINT32, "top_k": _UINT32, "seed": _UINT64, "dra
 def _token_ids(prompt_ids) -> list[int]:
     if prompt_ids is None:
         return []
+    try:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError
+        tokens = iter(prompt_ids)
+    except TypeError:
+        raise errors.InvalidRequest(f"prompt_ids must be a sequence of token ids, got {prompt_ids!r}") from None
     ids = []
-    for i, token in enumerate(prompt_ids):
+    for i, token in enumerate(tokens):
         try:
+            if isinstance(token, bool):
+                raise TypeError
             ids.append(operator.index(token))
         except TypeError:
-            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer)") from None
+            batch = i == 0 and hasattr(token, "__len__") and not isinstance(token, str)
+            hint = " (a batch of one? pass ids[0])" if batch else ""
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer){hint}") from None
     return ids
 
 

@@ -44,7 +44,7 @@ class StaticGamma:
 @dataclasses.dataclass
 class HeuristicGamma:
     """Hugging Face assisted generation's schedule: +2 after a round whose drafts
-    were all accepted, -1 otherwise (never below 1)."""
+    were all accepted, -1 otherwise (never below 1; with gamma_max 0, always 0)."""
 
     gamma: int = 5
     gamma_max: int = 16

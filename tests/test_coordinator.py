@@ -51,6 +51,7 @@ class FakeService:
         self.unavailable_always = False  # a service that stays down
         self.unavailable_calls = 0  # a restart: the next calls find nobody
         self.hang_s = 0.0  # a hung service: every call (EndSession too) takes this long
+        self.name = ""  # the model's name in ModelInfo (default: the class's)
         self.stopping = False  # a service shutting down: grpc cancels its calls
         self.round_ids: list[int] = []
         self.gamma_max: int | None = None  # reported in ModelInfo when set
@@ -79,7 +80,7 @@ class FakeService:
         return seq
 
     def GetModelInfo(self, request, context):
-        return pb.ModelInfo(model_name=type(self).__name__, vocab_size=self.vocab, vocab_fingerprint=self.fingerprint,
+        return pb.ModelInfo(model_name=self.name or type(self).__name__, vocab_size=self.vocab, vocab_fingerprint=self.fingerprint,
                             max_context=512, eos_token_ids=[EOS], active_sessions=len(self.sessions),
                             gamma_max=self.gamma_max)
 
@@ -482,6 +483,65 @@ def test_a_service_back_with_another_model_is_checked_again():
         engine.close()
         draft_server.stop(None)
         target_server.stop(None)
+
+
+def test_a_turn_never_mixes_two_models():
+    """The target is replaced by another model in the middle of a turn: the new
+    process holds no session, and before re-pre-filling it the coordinator sees
+    that the pair changed and stops the turn (the output would mix two models)."""
+    draft = FakeDraft()
+    draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
+    target_server, target_port = _serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)
+    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
+                                           info_timeout_s=5, call_timeout_s=5))
+    try:
+        steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=200, gamma_policy="static:2"))
+        next(steps)
+        target_server.stop(None)
+        other = FakeTarget()
+        other.name = "another-target"
+        target_server, _ = _serve(other, pb_grpc.add_TargetServiceServicer_to_server, target_port)
+        with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft', "
+                                                     "target 'another-target'"):
+            list(steps)
+        assert [c[1] for c in other.calls] == [c[1] for c in other.calls if c[1] > 0]  # no re-pre-fill sent
+    finally:
+        engine.close()
+        draft_server.stop(None)
+        target_server.stop(None)
+
+
+def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
+    """As SIGTERM's grace runs out, a turn still generating ends with a reason
+    (UNAVAILABLE, its token count); a turn whose stats are out is complete and
+    stored, and gets no error after them."""
+    import asyncio
+
+    from coordinator.service import CoordinatorServicer
+
+    class SlowEngine:
+        def generate(self, job, gone):
+            yield Delta([1], "a")
+            time.sleep(0.3)  # the grace runs out meanwhile
+            yield Delta([2], "b") if job.max_new_tokens > 2 else Stats(
+                "", "length", 1, 1, 1, 0, 0, [0], [0], 0.3, 3.3, 1, 0)
+
+    async def turn(max_new_tokens: int) -> list:
+        servicer = CoordinatorServicer(SlowEngine(), concurrent.futures.ThreadPoolExecutor(2))
+        got = []
+        try:
+            async for message in servicer.Generate(pb.GenerateRequest(prompt_ids=[1], max_new_tokens=max_new_tokens),
+                                                   None):
+                got.append(message.WhichOneof("kind"))
+                if len(got) == 1:
+                    await servicer.shutting_down(0.4)  # streams end from 0.2 s on
+        except errors.Draining as e:
+            got.append(str(e))
+        return got
+
+    assert asyncio.run(turn(2)) == ["delta", "stats"]
+    cut = asyncio.run(turn(8))
+    assert cut[:2] == ["delta", "delta"] and "drain grace (0.4 s) ran out after 2 generated tokens" in cut[2]
 
 
 def test_unreachable_service_is_unavailable_naming_it():

@@ -464,6 +464,11 @@ def test_prompt_ids_may_be_arrays_tensors_or_iterators(client):
     assert client.complete(prompt_ids=np.array([0]), max_new_tokens=2).stats.prompt_tokens == 1
     with pytest.raises(errors.InvalidRequest, match=r"prompt_ids\[1\] = 2.5 is not a token id"):
         client.complete(prompt_ids=[1, 2.5], max_new_tokens=2)
+    with pytest.raises(errors.InvalidRequest, match=r"a batch of one\? pass ids\[0\]"):
+        client.complete(prompt_ids=torch.tensor([[0, 7, 9]]), max_new_tokens=2)
+    for bad in (7, "7", [True]):
+        with pytest.raises(errors.InvalidRequest, match="token id"):
+            client.complete(prompt_ids=bad, max_new_tokens=2)
 
 
 def test_bad_session_calls_and_still_serving(client, cluster):

@@ -38,7 +38,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # No abbreviations: `--prompt` must not silently mean `--prompt-ids`.
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == only:  # import just the module that will run (none for the top-level --help)
             importlib.import_module(module).add_arguments(p)
             parser.set_defaults(**{f"_parser_{name}": p})
