@@ -31,9 +31,26 @@ def own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def start_services(procs) -> tuple[dict[str, int], int]:
+    """The bundled pair's draft service, target service and a coordinator in the
+    bench's layout; their pids by name, and the coordinator's port."""
+    from specdec import bundled
+    from specdec.bench import COORDINATOR_CORE, DRAFT_CORE, TARGET_CORE, free_port
+
+    target_dir, draft_dir = bundled.target_path(), bundled.draft_path()
+    draft_port, target_port, port = free_port(), free_port(), free_port()
+    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
+    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
+                core=TARGET_CORE)
+    procs.start("coordinator", ["coordinator", "--draft", f"127.0.0.1:{draft_port}", "--target",
+                                f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir)],
+                core=COORDINATOR_CORE)
+    return dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children))), port
+
+
 def main() -> None:
     from specdec import bundled
-    from specdec.bench import (COORDINATOR_CORE, DRAFT_CORE, TARGET_CORE, Processes, free_port, pin)
+    from specdec.bench import COORDINATOR_CORE, TARGET_CORE, Processes, pin
     from specdec.client import Client
     from specdec.eval_pair import held_out_streams, make_prompts
     from transformers import AutoTokenizer
@@ -43,16 +60,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12, help="greedy requests of 96 tokens per policy")
     args = parser.parse_args()
 
-    target_dir, draft_dir = bundled.target_path(), bundled.draft_path()
+    target_dir = bundled.target_path()
     procs = Processes(pathlib.Path(tempfile.mkdtemp(prefix="specdec-cpu-per-round-")))
-    draft_port, target_port, port = free_port(), free_port(), free_port()
-    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
-    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
-                core=TARGET_CORE)
-    procs.start("coordinator", ["coordinator", "--draft", f"127.0.0.1:{draft_port}", "--target",
-                                f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir)],
-                core=COORDINATOR_CORE)
-    pids = dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children)))
+    pids, port = start_services(procs)
     try:
         pin(COORDINATOR_CORE)  # before the client: grpc's threads take the affinity of the thread starting them
         client = Client(f"127.0.0.1:{port}", timeout=300)

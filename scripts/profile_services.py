@@ -40,7 +40,7 @@ def top_frames(path: pathlib.Path, n: int = 30) -> list[tuple[int, str]]:
 
 def main() -> None:
     from specdec import bundled
-    from specdec.bench import COORDINATOR_CORE, DRAFT_CORE, TARGET_CORE, Processes, free_port, pin
+    from specdec.bench import COORDINATOR_CORE, DRAFT_CORE, Processes, pin
     from specdec.client import Client
     from specdec.eval_pair import held_out_streams, make_prompts
     from transformers import AutoTokenizer
@@ -53,16 +53,11 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    target_dir, draft_dir = bundled.target_path(), bundled.draft_path()
+    from cpu_per_round import start_services  # this folder's sibling script
+
+    target_dir = bundled.target_path()
     procs = Processes(pathlib.Path(tempfile.mkdtemp(prefix="specdec-profile-")))
-    draft_port, target_port, port = free_port(), free_port(), free_port()
-    procs.start("draft", ["draft-service", "--model", str(draft_dir), "--port", str(draft_port)], core=DRAFT_CORE)
-    procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
-                core=TARGET_CORE)
-    procs.start("coordinator", ["coordinator", "--draft", f"127.0.0.1:{draft_port}", "--target",
-                                f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir)],
-                core=COORDINATOR_CORE)
-    pids = dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children)))
+    pids, port = start_services(procs)
     try:
         pin(COORDINATOR_CORE)
         client = Client(f"127.0.0.1:{port}", timeout=300)

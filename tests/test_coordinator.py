@@ -455,60 +455,63 @@ def _serve(servicer, add, port: int = 0) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def test_a_service_back_with_another_model_is_checked_again():
+@pytest.fixture
+def restartable():
+    """(draft, engine, restart_target): fake services and an engine in front of
+    them; ``restart_target(fake)`` stops the target, waits until the engine has
+    seen its connection drop, and serves ``fake`` on the same port."""
+    draft = FakeDraft()
+    draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
+    servers = [draft_server, *_serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)]
+    target_port = servers.pop()
+    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
+                                           info_timeout_s=5, call_timeout_s=5))
+
+    def restart_target(fake: FakeTarget) -> None:
+        servers.pop().stop(None)
+        deadline = time.monotonic() + 10
+        while engine._pair is not None:  # the channel's connectivity watch forgets the pair
+            assert time.monotonic() < deadline, "the engine did not notice the connection drop"
+            time.sleep(0.05)
+        servers.append(_serve(fake, pb_grpc.add_TargetServiceServicer_to_server, target_port)[0])
+
+    yield draft, engine, restart_target
+    engine.close()
+    for server in servers:
+        server.stop(None)
+
+
+def test_a_service_back_with_another_model_is_checked_again(restartable):
     """The pair's facts (EOS, context, γ limit, vocabulary) are asked for again
     after a connection drops: a target restarted with another model must not be
     served with the old one's EOS or limits."""
-    draft = FakeDraft()
-    draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
-    target_server, target_port = _serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)
-    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
-                                           info_timeout_s=5, call_timeout_s=5))
-    try:
-        ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
-        assert stats.finish_reason == "length" and len(ids) == 20
-        target_server.stop(None)
-        deadline = time.monotonic() + 10
-        while engine._pair is not None and time.monotonic() < deadline:  # the channel notices the drop
-            time.sleep(0.05)
-        restarted = FakeTarget(eos_at=12)
-        restarted.gamma_max = 2
-        target_server, _ = _serve(restarted, pb_grpc.add_TargetServiceServicer_to_server, target_port)
-        with pytest.raises(errors.InvalidRequest, match=r"gamma must be in \[0, 2\], got 3"):
-            run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
-        draft.eos_at = 12
-        ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:2")
-        assert ids == expected_tokens(3, 9) + [EOS] and stats.finish_reason == "eos"
-    finally:
-        engine.close()
-        draft_server.stop(None)
-        target_server.stop(None)
+    draft, engine, restart_target = restartable
+    ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
+    assert stats.finish_reason == "length" and len(ids) == 20
+    restarted = FakeTarget(eos_at=12)
+    restarted.gamma_max = 2
+    restart_target(restarted)
+    with pytest.raises(errors.InvalidRequest, match=r"gamma must be in \[0, 2\], got 3"):
+        run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:3")
+    draft.eos_at = 12
+    ids, _, stats = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=20, gamma_policy="static:2")
+    assert ids == expected_tokens(3, 9) + [EOS] and stats.finish_reason == "eos"
 
 
-def test_a_turn_never_mixes_two_models():
+def test_a_turn_never_mixes_two_models(restartable):
     """The target is replaced by another model in the middle of a turn: the new
     process holds no session, and before re-pre-filling it the coordinator sees
     that the pair changed and stops the turn (the output would mix two models)."""
-    draft = FakeDraft()
-    draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
-    target_server, target_port = _serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)
-    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
-                                           info_timeout_s=5, call_timeout_s=5))
-    try:
-        steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=200, gamma_policy="static:2"))
-        next(steps)
-        target_server.stop(None)
-        other = FakeTarget()
-        other.name = "another-target"
-        target_server, _ = _serve(other, pb_grpc.add_TargetServiceServicer_to_server, target_port)
-        with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft', "
-                                                     "target 'another-target'"):
-            list(steps)
-        assert [c[1] for c in other.calls] == [c[1] for c in other.calls if c[1] > 0]  # no re-pre-fill sent
-    finally:
-        engine.close()
-        draft_server.stop(None)
-        target_server.stop(None)
+    _, engine, restart_target = restartable
+    steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=200, gamma_policy="static:2"))
+    next(steps)
+    other = FakeTarget()
+    other.name = "another-target"
+    restart_target(other)
+    with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft', "
+                                                 "target 'another-target'"):
+        list(steps)
+    assert other.calls and all(position > 0 for _, position, _ in other.calls)  # no re-pre-fill was sent
 
 
 def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
