@@ -356,11 +356,10 @@ class Coordinator:
         messages), so a client that wants to keep it sends it again."""
         ids = RoundIds(record.next_round_id)
         key = record.service_session_id or sid  # the session's name in the services
-        draft_stats, target_stats = SideStats(), SideStats()
-        proposer = None
+
         def same_pair() -> None:
-            """A service lost the session mid-turn, as a restarted one would: one
-            turn never mixes two models."""
+            """Before a service that lost the session mid-turn (as a restarted one
+            has) gets the history again: one turn never mixes two models."""
             now = self.pair(fresh=True)
             if now != pair:
                 raise errors.Unavailable(
@@ -368,6 +367,8 @@ class Coordinator:
                     f"{now.target_name!r}, context {now.context}; the turn began with {pair.draft_name!r}, "
                     f"{pair.target_name!r}, context {pair.context}): the turn is stopped, send it again")
 
+        draft_stats, target_stats = SideStats(), SideStats()
+        proposer = None
         if not (isinstance(policy, StaticGamma) and policy.gamma == 0):
             proposer = RemoteProposer(self.draft, key, state, ids, draft_stats, same_pair)
         verifier = RemoteVerifier(self.target, key, state, ids, target_stats, same_pair)
