@@ -36,9 +36,10 @@ class SessionRecord:
     sampling: dict = dataclasses.field(default_factory=dict)
     gamma_policy: str = ""
     next_round_id: int = 1  # round ids stay unique across turns (0 means "no id" to the services)
-    # The session's name in the draft and target services: the session id plus a
-    # random suffix, so that two coordinators (or one restarted, its directory
-    # lost) given the same session id never continue each other's KV state.
+    # The session's name in the draft and target services (set when the record
+    # is created): the session id plus a random suffix, so that two coordinators
+    # (or one restarted, its directory lost) given the same session id never
+    # continue each other's KV state.
     service_session_id: str = ""
     updated_at: float = dataclasses.field(default_factory=time.time)
 

@@ -216,8 +216,8 @@ class Coordinator:
             if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
             self.directory.delete(session_id)
-            self.draft.end_session(record.service_session_id or session_id)
-            self.target.end_session(record.service_session_id or session_id)
+            self.draft.end_session(record.service_session_id)
+            self.target.end_session(record.service_session_id)
             return True
         finally:
             self._release(session_id)
@@ -355,7 +355,7 @@ class Coordinator:
         the client received of it cannot be known (gRPC buffers a stream's
         messages), so a client that wants to keep it sends it again."""
         ids = RoundIds(record.next_round_id)
-        key = record.service_session_id or sid  # the session's name in the services
+        key = record.service_session_id  # the session's name in the services
 
         def same_pair() -> None:
             """Before a service that lost the session mid-turn (as a restarted one

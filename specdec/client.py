@@ -97,7 +97,7 @@ class Client:
         # Plain ints, once (an iterator would be used up by the check); numpy and
         # torch integers too, and not by truth value (an array has none).
         prompt_ids = _token_ids(prompt_ids)
-        _check_fields(prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
+        _check_fields(max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
         sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
         if top_p != 1.0:
             sampling.top_p = top_p
@@ -176,6 +176,7 @@ _FIELD_MAX = {"max_new_tokens": _UINT32, "top_k": _UINT32, "seed": _UINT64, "dra
 
 
 def _token_ids(prompt_ids) -> list[int]:
+    """Token ids as plain ints in int32 (the wire type), or InvalidRequest naming the bad one."""
     if prompt_ids is None:
         return []
     try:
@@ -189,19 +190,19 @@ def _token_ids(prompt_ids) -> list[int]:
         try:
             if isinstance(token, bool):
                 raise TypeError
-            ids.append(operator.index(token))
+            token = operator.index(token)
         except TypeError:
             batch = i == 0 and hasattr(token, "__len__") and not isinstance(token, str)
             hint = " (a batch of one? pass ids[0])" if batch else ""
             raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer){hint}") from None
+        if not -(2**31) <= token < 2**31:  # int32 on the wire; the coordinator checks the vocabulary
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")
+        ids.append(token)
     return ids
 
 
-def _check_fields(prompt_ids, **fields) -> None:
+def _check_fields(**fields) -> None:
     """What protobuf would refuse with a bare "Value out of range", named."""
     for name, value in fields.items():
         if value is not None and not 0 <= value <= _FIELD_MAX[name]:
             raise errors.InvalidRequest(f"{name} must be in [0, {_FIELD_MAX[name]}], got {value}")
-    for i, token in enumerate(prompt_ids):
-        if not -(2**31) <= token < 2**31:  # int32 on the wire; the coordinator checks the vocabulary
-            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")
