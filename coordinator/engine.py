@@ -1,6 +1,6 @@
 """The coordinator's work, independent of gRPC serving: validate a request, pin
 the session to the draft and target services, run the core round loop
-(:func:`specdec.rounds.run_rounds`) with remote proposer/verifier, and turn
+(:func:`specdec.core.rounds.run_rounds`) with remote proposer/verifier, and turn
 committed tokens into streamed deltas.
 
 :meth:`Coordinator.generate` is a plain synchronous generator; the servicer runs
@@ -21,19 +21,21 @@ import time
 import uuid
 from typing import Iterator
 
-from specdec import errors
-from specdec.config import CoordinatorConfig
-from specdec import gamma as gamma_policies
-from specdec.gamma import AdaptiveGamma, GammaPolicy, StaticGamma
-from specdec.model_runner import check_same_vocabulary, check_token_ids, vocabulary_fingerprint
-from specdec.rounds import SessionState, run_rounds
-from specdec.sampling import SamplingParams
-from specdec.telemetry import RoundObserver, observe_generation
-from specdec.stats import GenerationStats
+from specdec.serving import errors
+from specdec.serving.config import CoordinatorConfig
+from specdec.core import gamma as gamma_policies
+from specdec.core.gamma import AdaptiveGamma, GammaPolicy, StaticGamma
+from specdec.core.vocabulary import check_same_vocabulary, check_token_ids
+from specdec.models.tokenizer import vocabulary_fingerprint
+from specdec.core.interfaces import SessionState
+from specdec.core.rounds import Limits, run_rounds
+from specdec.core.sampling import SamplingParams
+from specdec.telemetry.observe import RoundObserver, observe_generation
+from specdec.serving.stats import GenerationStats
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
 from coordinator.remote import RemoteProposer, RemoteVerifier, RoundIds, ServiceClient, SideStats
-from coordinator.text import TextStream
+from specdec.core.text import TextStream
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -76,7 +78,7 @@ class PairInfo:
 
 def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
     """"static:N" | "heuristic" | "adaptive" -> a fresh policy object
-    (:func:`specdec.gamma.parse_gamma_policy`), bad specs as INVALID_ARGUMENT."""
+    (:func:`specdec.core.gamma.parse_gamma_policy`), bad specs as INVALID_ARGUMENT."""
     try:
         return gamma_policies.parse_gamma_policy(spec, gamma_max)
     except ValueError as e:
@@ -98,7 +100,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, tokenizer=None, directory: SessionDirectory | None = None,
                  tokenizer_dir: str | os.PathLike | None = None, metrics=None):
         self.config = config
-        self.metrics = metrics  # a specdec.metrics.CoordinatorMetrics, or None
+        self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.observer = RoundObserver(metrics)
         self.tokenizer = tokenizer
         self.tokenizer_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None
@@ -376,31 +378,19 @@ class Coordinator:
         start_len = len(state.tokens)
         gammas, accepted = [], []
         finish = "length"
-        rounds = run_rounds(
-            proposer, verifier, state,
-            max_new_tokens=job.max_new_tokens, params=params, gamma_policy=policy,
-            eos_token_ids=set(pair.eos_token_ids), context_limit=pair.context,
-            draft_top_k=job.draft_top_k,
-            observer=self.observer,
-        )
+        limits = Limits(job.max_new_tokens, pair.context, pair.eos_token_ids, text)
+        rounds = run_rounds(proposer, verifier, state, params=params, gamma_policy=policy, limits=limits,
+                            draft_top_k=job.draft_top_k, observer=self.observer)
         done = False
         try:
             for result in rounds:
                 gammas.append(result.gamma)
                 accepted.append(result.accepted)
-                kept, delta = self._detokenize(result.tokens, text)
-                if text is not None and text.stopped:
-                    # Drop the round's tokens after the one completing the stop string.
-                    del state.tokens[len(state.tokens) - len(result.tokens) + len(kept):]
-                    state.draft_synced = min(state.draft_synced, len(state.tokens))
-                    state.target_synced = min(state.target_synced, len(state.tokens))
-                    finish = "stop"
-                if kept or delta:
-                    yield Delta(kept, delta)
+                delta = text.take() if text is not None else ""
+                if result.tokens or delta:
+                    yield Delta(list(result.tokens), delta)
                 if cancelled.is_set():  # the client has gone (this step may have queued behind others)
                     return  # no more rounds; the turn did not finish
-                if finish == "stop":
-                    break
                 finish = result.finish_reason or finish
             rounds.close()
             if text is not None and finish != "stop":
@@ -459,19 +449,6 @@ class Coordinator:
             bytes_received=int(draft_stats.total("bytes_in") + target_stats.total("bytes_in")),
             history_tokens=start_len - len(prompt_ids),
         )
-
-    @staticmethod
-    def _detokenize(tokens: list[int], text: TextStream | None) -> tuple[list[int], str]:
-        """The round's tokens up to a stop string (if any), and the text released."""
-        if text is None:
-            return list(tokens), ""
-        kept, out = [], []
-        for tok in tokens:
-            kept.append(tok)
-            out.append(text.push(tok))
-            if text.stopped:
-                break
-        return kept, "".join(out)
 
     def close(self) -> None:
         self.draft.close()

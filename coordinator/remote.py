@@ -1,5 +1,5 @@
 """gRPC clients of the draft and target services, shaped as the round loop's
-Proposer and Verifier (specdec.rounds), so the coordinator runs the very same
+Proposer and Verifier (specdec.core.rounds), so the coordinator runs the very same
 round as the in-process decoder.
 
 Every call carries a deadline and the session's round id. When a service answers
@@ -24,13 +24,13 @@ from typing import Iterator
 import grpc
 import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
-from specdec import errors, proto_convert as conv
-from specdec.server import DRAFT_SERVICE, TARGET_SERVICE
-from specdec.telemetry import ClientCalls, RpcRecord
+from specdec.serving import errors, convert as conv
+from specdec.serving.server import DRAFT_SERVICE, TARGET_SERVICE
+from specdec.telemetry.observe import ClientCalls, RpcRecord
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.rounds import DraftToken, SessionState
-from specdec.sampling import SamplingParams
-from specdec.verification import Verdict
+from specdec.core.interfaces import DraftToken, SessionState
+from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import Verdict
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -145,7 +145,7 @@ def _details(e: grpc.RpcError) -> str:
 @dataclasses.dataclass
 class SideStats:
     """What one service did for one request: its calls as the coordinator saw
-    them, each with the service's own account (:class:`specdec.telemetry.RpcRecord`)."""
+    them, each with the service's own account (:class:`specdec.telemetry.observe.RpcRecord`)."""
 
     prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
     refills: int = 0  # calls repeated from position 0 after NOT_FOUND
@@ -210,7 +210,7 @@ class _Retries:
 
 
 class RemoteProposer:
-    """The draft service as a :class:`specdec.rounds.Proposer` for one session."""
+    """The draft service as a :class:`specdec.core.rounds.Proposer` for one session."""
 
     def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
                  before_refill=lambda: None):
@@ -262,7 +262,7 @@ class RemoteProposer:
 
 
 class RemoteVerifier:
-    """The target service as a :class:`specdec.rounds.Verifier` for one session."""
+    """The target service as a :class:`specdec.core.rounds.Verifier` for one session."""
 
     def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
                  before_refill=lambda: None):

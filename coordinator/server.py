@@ -17,11 +17,21 @@ import dataclasses
 import logging
 import pathlib
 
-from specdec.config import CoordinatorConfig, env_names
+from specdec.serving.config import CoordinatorConfig, env_names
 from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.server import (COORDINATOR_SERVICE, GrpcServer, bind_or_close, freeze_startup_objects,
-                            serve_until_signal, setup_logging)
-from specdec.telemetry import ServiceTelemetry, add_arguments as add_telemetry_arguments, setup_from_args
+from specdec.serving.server import (
+    COORDINATOR_SERVICE,
+    GrpcServer,
+    bind_or_close,
+    freeze_startup_objects,
+    serve_until_signal,
+    setup_logging,
+)
+from specdec.telemetry.observe import (
+    ServiceTelemetry,
+    add_arguments as add_telemetry_arguments,
+    setup_from_args,
+)
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -68,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
     """``--tokenizer``, else the bundled target model's directory when it ships a
     tokenizer, else None."""
-    from specdec.model_runner import has_tokenizer
+    from specdec.models.tokenizer import has_tokenizer
 
     if config.tokenizer:
         path = pathlib.Path(config.tokenizer)
@@ -78,7 +88,7 @@ def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
             raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
         return path
     try:
-        from specdec import bundled
+        from specdec.models import bundled
     except ImportError:
         return None
     path = bundled.target_path()
@@ -128,7 +138,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
     pair that is not up yet is checked again at the first request). ``telemetry``
     adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
-    from specdec.model_runner import load_tokenizer
+    from specdec.models.tokenizer import load_tokenizer
 
     from coordinator.engine import Coordinator
     from coordinator.service import CoordinatorServicer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.service_cli import add_service_arguments
+from specdec.serving.service_cli import add_service_arguments
 
 ROLE = "draft"
 
@@ -19,6 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from draft_service.servicer import add_to_server
-    from specdec.model_service import run_service
+    from specdec.serving.model_host import run_service
 
     return run_service(args, ROLE, add_to_server)

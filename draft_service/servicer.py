@@ -1,20 +1,20 @@
-"""DraftService: decode the request, draft with :func:`specdec.local.draft_tokens`
+"""DraftService: decode the request, draft with :func:`specdec.models.local.draft_tokens`
 on the session's sequence, stream each token as soon as it exists.
 
 Validation, sessions, the model executor and timings are shared with the target
-service in :mod:`specdec.model_service`.
+service in :mod:`specdec.serving.model_host`.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from specdec import proto_convert as pc
-from specdec.local import draft_ahead, draft_tokens
-from specdec.model_service import ModelHost, sampling_key
+from specdec.serving import convert as pc
+from specdec.models.local import draft_ahead, draft_tokens, held_tokens, new_draft_sequence
+from specdec.serving.model_host import ModelHost, sampling_key
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.rounds import DraftToken
-from specdec.timing import ServerTiming
+from specdec.core.interfaces import DraftToken
+from specdec.serving.timing import ServerTiming
 
 
 # Drafting ahead goes this many drafts beyond the round it bets on: room for the
@@ -72,7 +72,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def _draft_ahead(self, session, params, draft_top_k: int, gamma: int, timing: ServerTiming, stop) -> None:
         """While the target verifies, this device would idle: draft the next round
-        as if every draft is accepted (:func:`specdec.local.draft_ahead`): the
+        as if every draft is accepted (:func:`specdec.models.local.draft_ahead`): the
         guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
         either way: a later Propose reuses only drafts it would make itself. Runs
         on the model's executor; stops early if the session ends meanwhile."""
@@ -105,4 +105,5 @@ async def _next_or_failure(queue: asyncio.Queue, job: asyncio.Future):
 
 
 def add_to_server(host: ModelHost, server) -> None:
+    host.new_state, host.state_size = new_draft_sequence, held_tokens
     pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(host), server)

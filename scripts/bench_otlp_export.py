@@ -1,11 +1,11 @@
 """CPU of the coordinator's tracing per round, and of OTLP encoding per span:
-the SDK's encoder against ``specdec.otlp_encode``.
+the SDK's encoder against ``specdec.telemetry.otlp_encode``.
 
 Two measurements, on one core each (``--cores``: the measuring processes, then
 the OTLP receiver's):
 
 * **encoding**: the spans of simulated rounds (a round span and two CLIENT spans
-  each, made by ``specdec.telemetry`` as the coordinator makes them), encoded in
+  each, made by ``specdec.telemetry.observe`` as the coordinator makes them), encoded in
   batches of 512 by each encoder; µs per span. Both encodings are parsed and
   compared first.
 * **per round**: a child process makes ``--rounds`` simulated rounds with a
@@ -33,9 +33,9 @@ VARIANTS = ("off", "dropped", "sdk", "specdec")
 def simulated_rounds(n: int) -> None:
     """``n`` rounds of the coordinator's span work, without gRPC, inside one
     generation span (as a request's rounds are)."""
-    from specdec import telemetry, tracing
+    from specdec.telemetry import observe as telemetry, tracing
     from specdec.proto import specdec_pb2 as pb
-    from specdec.rounds import RoundResult
+    from specdec.core.interfaces import RoundResult
 
     draft = telemetry.ClientCalls("draft", "specdec.v1.DraftService")
     target = telemetry.ClientCalls("target", "specdec.v1.TargetService")
@@ -71,7 +71,7 @@ def child(variant: str, endpoint: str, rounds: int) -> None:
 
             exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True)
         else:
-            from specdec.otlp_encode import OTLPSpanExporter
+            from specdec.telemetry.otlp_encode import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True)
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -96,7 +96,7 @@ def encoding(batch: int = 512, repeats: int = 20) -> dict[str, float]:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from specdec import otlp_encode
+    from specdec.telemetry import otlp_encode
 
     memory = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "specdec-coordinator"}))
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         child(args.child, args.endpoint, args.rounds)
         return
 
-    from specdec.otlp_receiver import OtlpReceiver
+    from specdec.tools.otlp_receiver import OtlpReceiver
 
     work_core, receiver_core = (int(c) for c in args.cores.split(","))
     os.sched_setaffinity(0, {receiver_core})
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     per_span = encoding()
     print(f"OTLP encoding, spans of simulated coordinator rounds, batches of 512 (core {work_core}):")
     print(f"  SDK encode_spans + serialise   {per_span['sdk']:6.1f} µs per span")
-    print(f"  specdec.otlp_encode            {per_span['specdec']:6.1f} µs per span "
+    print(f"  specdec.telemetry.otlp_encode            {per_span['specdec']:6.1f} µs per span "
           f"({per_span['sdk'] / per_span['specdec']:.1f}x less)")
     print(f"coordinator tracing CPU per simulated round (round span + 2 CLIENT spans), {args.rounds} rounds x "
           f"{args.repeats} runs, medians; {spans} spans received:")

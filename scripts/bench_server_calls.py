@@ -39,9 +39,9 @@ def serve(setup: str, rendezvous: pathlib.Path, core: int) -> None:
     """The server process: bind, write the port, then report CPU between the
     client's "go" and "stop" files."""
     os.sched_setaffinity(0, {core})
-    from specdec import telemetry, tracing
+    from specdec.telemetry import observe as telemetry, tracing
     from specdec.proto import specdec_pb2 as pb
-    from specdec.server import GrpcServer
+    from specdec.serving.server import GrpcServer
 
     if setup == "off":
         interceptors = []
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(args.serve, pathlib.Path(args.rendezvous), args.server_core)
         return
 
-    from specdec.otlp_receiver import OtlpReceiver
+    from specdec.tools.otlp_receiver import OtlpReceiver
 
     server_core, client_core = (int(c) for c in args.cores.split(","))
     os.sched_setaffinity(0, {client_core})

@@ -18,11 +18,11 @@ import random
 
 import torch
 
-from specdec import bundled
-from specdec.decoder import SpeculativeDecoder
-from specdec.eval_pair import held_out_streams, make_prompts
-from specdec.gamma import AdaptiveGamma, parse_gamma_policy
-from specdec.sampling import SamplingParams
+from specdec.models import bundled
+from specdec.models.decoder import SpeculativeDecoder
+from specdec.tools.eval_pair import held_out_streams, make_prompts
+from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
+from specdec.core.sampling import SamplingParams
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--core", type=int, default=1, help="the core to run on (one torch thread)")
     parser.add_argument("--draft-forwards", default="lean",
-                        help="comma-separated: lean (specdec.lean_llama), hf (Hugging Face's forward)")
+                        help="comma-separated: lean (specdec.models.lean_llama), hf (Hugging Face's forward)")
     args = parser.parse_args()
     forwards = args.draft_forwards.split(",")
     if not set(forwards) <= {"lean", "hf"}:

@@ -21,7 +21,7 @@ import time
 
 
 def process_cpu(pid: int) -> float:
-    from specdec.cli.bench_tracing import cpu_seconds
+    from specdec.tools.bench_tracing import cpu_seconds
 
     return cpu_seconds(f"/proc/{pid}/stat") or 0.0
 
@@ -34,8 +34,8 @@ def own_cpu() -> float:
 def start_services(procs) -> tuple[dict[str, int], int]:
     """The bundled pair's draft service, target service and a coordinator in the
     bench's layout; their pids by name, and the coordinator's port."""
-    from specdec import bundled
-    from specdec.bench import COORDINATOR_CORE, DRAFT_CORE, TARGET_CORE, free_port
+    from specdec.models import bundled
+    from specdec.tools.bench import COORDINATOR_CORE, DRAFT_CORE, TARGET_CORE, free_port
 
     target_dir, draft_dir = bundled.target_path(), bundled.draft_path()
     draft_port, target_port, port = free_port(), free_port(), free_port()
@@ -49,10 +49,10 @@ def start_services(procs) -> tuple[dict[str, int], int]:
 
 
 def main() -> None:
-    from specdec import bundled
-    from specdec.bench import COORDINATOR_CORE, TARGET_CORE, Processes, pin
-    from specdec.client import Client
-    from specdec.eval_pair import held_out_streams, make_prompts
+    from specdec.models import bundled
+    from specdec.tools.bench import COORDINATOR_CORE, TARGET_CORE, Processes, pin
+    from specdec.serving.client import Client
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

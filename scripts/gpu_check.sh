@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 # Stop here, with the reason, if the device is not there.
 "$PYTHON" - <<'EOF' 2>&1 | tee "$RESULTS/env.txt"
 import os, torch, transformers
-from specdec.model_runner import parse_device
+from specdec.models.runner import parse_device
 device = parse_device(os.environ["DEVICE"])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)
 print(torch.cuda.get_device_name(device) if device.type == "cuda" else device)

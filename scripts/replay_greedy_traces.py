@@ -10,7 +10,7 @@ m_i, and the draft's confidence (its top probability) for each of its next
 held-out prompts (the bench's prompts first), then replays over those traces:
 
 * static γ = 0 … lookahead, Hugging Face's heuristic schedule and the adaptive
-  policy (the real classes of :mod:`specdec.gamma`, warm-started between requests
+  policy (the real classes of :mod:`specdec.core.gamma`, warm-started between requests
   as the coordinator does);
 * two schedules tuned *in hindsight* on these very traces, as upper bounds:
   the best pair (γ after a fully accepted round, γ after any other) — acceptance
@@ -18,7 +18,7 @@ held-out prompts (the bench's prompts first), then replays over those traces:
   stop on draft confidence (a cap γ, drafting stops after the first draft whose
   top probability is below τ; DESIGN §4's complement).
 
-Rounds cost what :class:`specdec.gamma.RoundCost` says with per-token figures
+Rounds cost what :class:`specdec.core.gamma.RoundCost` says with per-token figures
 measured on the pair (``specdec eval-pair``; verify slope from timing the
 target's cached forward of 1 vs 9 tokens), plus for distributed rows a per-call
 overhead and the added round trip to each service. Rates are given as multiples
@@ -41,8 +41,8 @@ import sys
 from typing import Callable
 
 from draft_service.servicer import DRAFT_AHEAD_EXTRA
-from specdec.gamma import AdaptiveGamma, GammaPolicy, HeuristicGamma, RoundCost, StaticGamma
-from specdec.rounds import RoundResult
+from specdec.core.gamma import AdaptiveGamma, GammaPolicy, HeuristicGamma, RoundCost, StaticGamma
+from specdec.core.interfaces import RoundResult
 
 PROMPT_TOKENS = 128  # as in specdec bench
 
@@ -52,8 +52,8 @@ def record(n_prompts: int, new_tokens: int, lookahead: int, seed: int = 0) -> li
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec import bundled
-    from specdec.eval_pair import held_out_streams, make_prompts
+    from specdec.models import bundled
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(bundled.target_path())

@@ -2,7 +2,7 @@
 decisions that runs in seconds and without noise from the machine.
 
 Each draft is accepted independently with probability α; a round costs what
-:class:`specdec.gamma.RoundCost` says, with no noise. As in the real round loop,
+:class:`specdec.core.gamma.RoundCost` says, with no noise. As in the real round loop,
 the last rounds of a request are clamped so as not to overshoot its length, and
 after γ = 0 rounds the draft's next call first catches up on the tokens it
 missed (modelled as one more draft token's worth of time). Every policy decodes
@@ -25,8 +25,8 @@ import random
 import statistics
 from typing import Callable
 
-from specdec.gamma import AdaptiveGamma, GammaPolicy, RoundCost, StaticGamma
-from specdec.rounds import RoundResult
+from specdec.core.gamma import AdaptiveGamma, GammaPolicy, RoundCost, StaticGamma
+from specdec.core.interfaces import RoundResult
 
 STATIC = (0, 1, 2, 3, 4, 6, 8)
 WORLDS = ((0, (0.4, 0.55, 0.63, 0.75)), (10, (0.4, 0.7)), (30, (0.4, 0.55, 0.7)))

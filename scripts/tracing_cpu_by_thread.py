@@ -37,7 +37,7 @@ threading.Thread.run = run
 
 def thread_cpu(pid: int) -> dict[tuple[str, str], float]:
     """(thread id, name without its trailing number) -> CPU seconds so far."""
-    from specdec.cli.bench_tracing import cpu_seconds
+    from specdec.tools.bench_tracing import cpu_seconds
 
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -53,10 +53,10 @@ def thread_cpu(pid: int) -> dict[tuple[str, str], float]:
 
 
 def main() -> None:
-    from specdec.cli import bench_tracing
+    from specdec.tools import bench_tracing
     from specdec.cli.serve import model_dirs
-    from specdec.client import Client
-    from specdec.otlp_receiver import OtlpReceiver
+    from specdec.serving.client import Client
+    from specdec.tools.otlp_receiver import OtlpReceiver
 
     from specdec.cli.serve import add_model_arguments
 

@@ -12,10 +12,10 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Client": "specdec.client",  # the coordinator client; see specdec/client.py
-    "GenerationOutput": "specdec.decoder",
-    "SamplingParams": "specdec.sampling",
-    "SpeculativeDecoder": "specdec.decoder",
+    "Client": "specdec.serving.client",  # the coordinator client; see specdec/serving/client.py
+    "GenerationOutput": "specdec.models.decoder",
+    "SamplingParams": "specdec.core.sampling",
+    "SpeculativeDecoder": "specdec.models.decoder",
 }
 __all__ = sorted(_LAZY)
 

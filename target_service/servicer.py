@@ -1,20 +1,20 @@
 """TargetService: decode the request, judge the drafts with
-:func:`specdec.local.verify_drafts` on the session's sequence (one forward pass),
+:func:`specdec.models.local.verify_drafts` on the session's sequence (one forward pass),
 answer the verdict.
 
 Validation, sessions, the model executor and timings are shared with the draft
-service in :mod:`specdec.model_service`.
+service in :mod:`specdec.serving.model_host`.
 """
 
 from __future__ import annotations
 
-from specdec import proto_convert as pc
-from specdec.errors import InvalidRequest
-from specdec.local import verify_drafts
-from specdec.model_service import ModelHost, sampling_key
+from specdec.serving import convert as pc
+from specdec.serving.errors import InvalidRequest
+from specdec.models.local import verify_drafts
+from specdec.serving.model_host import ModelHost, sampling_key
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.rounds import DraftToken
-from specdec.timing import ServerTiming
+from specdec.core.interfaces import DraftToken
+from specdec.serving.timing import ServerTiming
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def device() -> str:
     """Where the model-running tests put their models: SPECDEC_TEST_DEVICE, default cpu."""
-    from specdec.model_runner import parse_device
+    from specdec.models.runner import parse_device
 
     return str(parse_device(TEST_DEVICE))
 

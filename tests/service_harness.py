@@ -8,8 +8,8 @@ import threading
 
 import grpc
 
-from specdec.config import ServiceConfig
-from specdec.model_service import RunningService, start_model_service
+from specdec.serving.config import ServiceConfig
+from specdec.serving.model_host import RunningService, start_model_service
 from tiny_models import TEST_DEVICE
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 
-from specdec.cli.bench_tracing import report, serving_order, stack_names
+from specdec.tools.bench_tracing import report, serving_order, stack_names
 
 
 def test_every_stack_serves_as_often_in_abba_rounds():
@@ -35,7 +35,7 @@ def test_report_compares_modes_per_round_and_shows_the_noise_floor(capsys):
 
 
 def test_the_default_layout_gives_each_service_its_own_core_where_there_are_two(monkeypatch):
-    from specdec.cli import bench_tracing
+    from specdec.tools import bench_tracing
 
     monkeypatch.setattr(bench_tracing.os, "sched_getaffinity", lambda pid: {0, 1})
     assert bench_tracing.cpus_spec(None) == "per-service"

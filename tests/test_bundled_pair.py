@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from specdec import bundled
+from specdec.models import bundled
 
 
 def test_the_pair_ships_with_the_package():
@@ -28,7 +28,7 @@ SNIPPETS = [
 ]
 
 # pyproject.toml: [tool.setuptools.package-data] specdec = ["models/*/*", "models/*.md"]
-PACKAGE_DATA = ["models/*/*", "models/*.md"]
+PACKAGE_DATA = ["target/*", "draft/*", "*.md"]  # pyproject: package data of specdec.models
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,8 @@ def test_weights_are_bf16_and_small():
 def test_every_model_file_is_package_data():
     """All shipped files match pyproject's package-data globs, so `pip install .` has them."""
     root = bundled.models_dir()
-    files = ["models/" + p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    files = [p.relative_to(root).as_posix() for p in root.rglob("*")
+             if p.is_file() and p.suffix not in (".py", ".pyc")]
     assert files
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
                                            for pat in PACKAGE_DATA)]

@@ -17,12 +17,12 @@ import pytest
 
 from coordinator.directory import InMemoryDirectory, SessionRecord
 from coordinator.engine import Coordinator, Delta, GenerateJob, parse_gamma_policy
-from specdec.stats import GenerationStats as Stats
-from coordinator.text import TextStream
-from specdec import errors
-from specdec.config import CoordinatorConfig
-from specdec.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
-from specdec.model_runner import load_tokenizer
+from specdec.serving.stats import GenerationStats as Stats
+from specdec.core.text import TextStream
+from specdec.serving import errors
+from specdec.serving.config import CoordinatorConfig
+from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
+from specdec.models.tokenizer import load_tokenizer
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from tiny_models import add_byte_tokenizer
 
@@ -638,8 +638,8 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
     estimates of the last request decoding the same way (the seed aside)."""
     import dataclasses
 
-    from specdec.rounds import RoundResult
-    from specdec.sampling import SamplingParams
+    from specdec.core.interfaces import RoundResult
+    from specdec.core.sampling import SamplingParams
 
     engine = Coordinator(CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2"))
     try:

@@ -1,6 +1,6 @@
 """The Grafana dashboard and Prometheus scrape config in deploy/ stay true to
 the metrics the code exports: every PromQL expression names only metrics that
-specdec/metrics.py registers (with the right suffixes) and labels they carry."""
+specdec/telemetry/metrics.py registers (with the right suffixes) and labels they carry."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import re
 import yaml
 from prometheus_client import CollectorRegistry
 
-from specdec.metrics import CoordinatorMetrics, ServiceMetrics
-from specdec.sessions import StoreStats
+from specdec.telemetry.metrics import CoordinatorMetrics, ServiceMetrics
+from specdec.serving.sessions import StoreStats
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "specdec-dashboard.json"
@@ -22,8 +22,8 @@ PROMETHEUS_LOCAL = DEPLOY / "prometheus" / "prometheus-local.yml"
 
 def exported() -> dict[str, set[str]]:
     """Every sample name the services export after some work -> its labels."""
-    from specdec.metrics import ROUND_PHASES
-    from specdec.timing import ServerTiming
+    from specdec.telemetry.metrics import ROUND_PHASES
+    from specdec.serving.timing import ServerTiming
 
     stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1)
     coordinator, service = CoordinatorMetrics(), ServiceMetrics("target", sessions=lambda: stats)

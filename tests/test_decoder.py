@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import SamplingParams, SpeculativeDecoder
-from specdec.gamma import HeuristicGamma
+from specdec.core.gamma import HeuristicGamma
 
 PROMPTS = [[1], [5, 9, 30], [1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [31, 0, 16, 8, 2], [11, 22]]
 

@@ -17,16 +17,16 @@ import torch
 
 from draft_service.servicer import add_to_server
 from service_harness import LoopThread, channel, start_service
-from specdec import proto_convert as pc
-from specdec.config import ServiceConfig
-from specdec.local import draft_ahead, draft_tokens
-from specdec.metrics import ServiceMetrics
-from specdec.model_runner import ModelRunner
-from specdec.model_service import ModelHost, start_model_service
+from specdec.serving import convert as pc
+from specdec.serving.config import ServiceConfig
+from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
+from specdec.telemetry.metrics import ServiceMetrics
+from specdec.models.runner import ModelRunner
+from specdec.serving.model_host import ModelHost, start_model_service
 from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.sampling import SamplingParams
-from specdec.telemetry import ServiceTelemetry
-from specdec.timing import ServerTiming
+from specdec.core.sampling import SamplingParams
+from specdec.telemetry.observe import ServiceTelemetry
+from specdec.serving.timing import ServerTiming
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams()
@@ -61,7 +61,7 @@ class CountForwards:
 def replay(runner, requests):
     """The drafts of the last of ``requests`` -- (position, new_tokens, gamma,
     params, k) -- made on a sequence that never drafted ahead."""
-    seq = runner.new_sequence()
+    seq = new_draft_sequence(runner)
     for position, new_tokens, gamma, params, k in requests:
         drafts = list(draft_tokens(runner, seq, position, new_tokens, gamma, params, k))
     return drafts
@@ -86,7 +86,7 @@ START = len(PROMPT) + 3  # where drafting ahead starts after the first round's t
 def round_then_ahead(runner, params, k, count=6):
     """A first round of three drafts after PROMPT, then drafting ahead; returns
     the sequence, the first request and the guess at the target's token."""
-    seq = runner.new_sequence()
+    seq = new_draft_sequence(runner)
     first = (0, PROMPT, 3, params, k)
     list(draft_tokens(runner, seq, *first[:3], params, k))
     assert draft_ahead(runner, seq, params, k, count, NEVER) == count
@@ -151,7 +151,7 @@ def test_random_rounds_run_the_same_passes_with_and_without_drafting_ahead(draft
 
 
 def _random_episode(draft, params, k, rng) -> int:
-    ahead_seq, plain_seq = draft.new_sequence(), draft.new_sequence()
+    ahead_seq, plain_seq = new_draft_sequence(draft), new_draft_sequence(draft)
     committed, synced, reused = list(PROMPT), 0, 0
     while len(committed) + 2 * 7 < draft.max_context:
         gamma = rng.choice([0, 1, 2, 3, 4])
@@ -190,7 +190,7 @@ def test_drafts_made_ahead_serve_one_request_only(draft):
 
 
 def test_stop_is_asked_before_every_token(draft):
-    seq = draft.new_sequence()
+    seq = new_draft_sequence(draft)
     list(draft_tokens(draft, seq, 0, PROMPT, 2, GREEDY, 0))
     held = list(seq.tokens)
     assert draft_ahead(draft, seq, GREEDY, 0, 5, lambda: True) == 0
@@ -200,7 +200,7 @@ def test_stop_is_asked_before_every_token(draft):
 
 
 def test_drafting_ahead_stops_at_the_context(draft):
-    seq = draft.new_sequence()
+    seq = new_draft_sequence(draft)
     room = draft.max_context - len(PROMPT) - 2
     list(draft_tokens(draft, seq, 0, PROMPT + [1] * room, 1, GREEDY, 0))
     assert draft_ahead(draft, seq, GREEDY, 0, 5, NEVER) == 1
@@ -235,7 +235,7 @@ def test_background_work_yields_to_the_next_call():
 def test_background_work_counts_in_the_service_metrics():
     """Drafting ahead is the draft device's work too: its compute and tokens
     reach the metrics as a call's do (no call reports them)."""
-    from specdec.metrics import ServiceMetrics
+    from specdec.telemetry.metrics import ServiceMetrics
 
     async def main():
         host = ModelHost(ServiceConfig(role="draft", port=0))

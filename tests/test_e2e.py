@@ -20,10 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import SamplingParams, SpeculativeDecoder, errors
-from specdec.client import Client, Delta, Stats
+from specdec import SamplingParams, SpeculativeDecoder
+from specdec.serving import errors
+from specdec.serving.client import Client, Delta, Stats
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.server import free_port
+from specdec.serving.server import free_port
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -42,7 +42,7 @@ def three_free_ports() -> int:
     """PORT such that PORT, PORT+1 and PORT+2 were free a moment ago."""
     import socket
 
-    from specdec.server import free_port
+    from specdec.serving.server import free_port
 
     for _ in range(100):
         base = free_port()
@@ -65,8 +65,8 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     import sys
     import time
 
-    from specdec.client import Client
-    from specdec.server import free_port
+    from specdec.serving.client import Client
+    from specdec.serving.server import free_port
 
     target, draft = pair
     ports = [free_port() for _ in range(3)]
@@ -135,8 +135,8 @@ def test_generate_flags_say_what_is_wrong(argv, message, capsys):
 
 
 def test_client_names_a_field_out_of_range_before_calling():
-    from specdec import errors
-    from specdec.client import Client
+    from specdec.serving import errors
+    from specdec.serving.client import Client
 
     with Client("127.0.0.1:1") as client:  # nothing listens: the checks come first
         for kwargs, words in ((dict(top_k=-1), "top_k must be in [0, 4294967295], got -1"),
@@ -198,6 +198,6 @@ def test_help_and_light_commands_start_without_torch():
     assert out.stdout.split() == ["[]", "[]"]
     # The lazy names still resolve to the real objects.
     import specdec
-    from specdec.decoder import SpeculativeDecoder
+    from specdec.models.decoder import SpeculativeDecoder
 
     assert specdec.SpeculativeDecoder is SpeculativeDecoder and "SpeculativeDecoder" in dir(specdec)

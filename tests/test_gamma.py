@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from specdec.gamma import (
+from specdec.core.gamma import (
     AdaptiveGamma,
     HeuristicGamma,
     RoundCost,
@@ -14,7 +14,7 @@ from specdec.gamma import (
     expected_tokens,
     parse_gamma_policy,
 )
-from specdec.rounds import RoundResult
+from specdec.core.interfaces import RoundResult
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95])

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec import kv_cache
-from specdec.model_runner import ModelRunner
+from specdec.models import kv_cache
+from specdec.models.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

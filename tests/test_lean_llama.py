@@ -1,4 +1,4 @@
-"""specdec.lean_llama runs a Llama draft as Hugging Face's forward does.
+"""specdec.models.lean_llama runs a Llama draft as Hugging Face's forward does.
 
 Its numerics cannot change the output (the target judges the draft by the q it
 sampled from), but a draft that computed something else would lose acceptance;
@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec import bundled, kv_cache
-from specdec.config import ServiceConfig
-from specdec.lean_llama import LeanCache, LeanLlama, unsupported_reason
-from specdec.model_runner import ModelRunner
-from specdec.model_service import ModelHost
+from specdec.models import bundled, kv_cache
+from specdec.serving.config import ServiceConfig
+from specdec.models.lean_llama import LeanCache, LeanLlama, unsupported_reason
+from specdec.models.runner import ModelRunner
+from specdec.serving.model_host import ModelHost
 from tiny_models import TEST_DEVICE
 
 
@@ -107,7 +107,7 @@ def test_quantized_or_adapted_weights_are_refused():
 
 def test_a_runner_asked_for_lean_keeps_hugging_face_when_it_cannot(tmp_path, caplog):
     tiny_llama(attention_bias=True).save_pretrained(tmp_path)
-    with caplog.at_level(logging.INFO, logger="specdec.model_runner"):
+    with caplog.at_level(logging.INFO, logger="specdec.models.runner"):
         runner = ModelRunner(tmp_path, lean=True)
     assert not runner.lean
     assert "attention or MLP biases" in caplog.text

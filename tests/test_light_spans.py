@@ -1,4 +1,4 @@
-"""specdec.light_spans: a light span exports what the SDK's span exports for the
+"""specdec.telemetry.light_spans: a light span exports what the SDK's span exports for the
 same calls, takes the sampler's decision as the SDK does, and behaves as a span
 (current, ended, failed) wherever the SDK's would."""
 
@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from specdec import light_spans, otlp_encode
+from specdec.telemetry import light_spans, otlp_encode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 

@@ -16,9 +16,9 @@ import torch
 from scipy import stats
 
 from specdec import SamplingParams, SpeculativeDecoder
-from specdec.model_runner import ModelRunner, Sequence
-from specdec.sampling import process_logits
-import specdec.local
+from specdec.models.runner import ModelRunner, Sequence
+from specdec.core.sampling import process_logits
+import specdec.models.local
 
 PROMPT = [3, 1, 4]
 # 20,000 draws per setting here and in CI; the GPU check (docs/gpu-check.md), where
@@ -39,7 +39,10 @@ class MemoRunner:
         self.memo: dict[tuple, torch.Tensor] = {}
 
     def new_sequence(self):
-        return Sequence(tokens=[], cache=None)
+        return Sequence(tokens=[], cache=self.new_cache())
+
+    def new_cache(self):
+        return None
 
     def rollback(self, seq, position):
         del seq.tokens[position:]
@@ -150,14 +153,14 @@ def test_first_two_tokens_follow_target_distribution(memo_pair, setting, draft_t
 def test_the_check_has_power(memo_pair, monkeypatch):
     """Negative control: a verifier that accepts every draft emits the draft's
     distribution, and the same check must reject it."""
-    from specdec.verification import Verdict
+    from specdec.core.interfaces import Verdict
 
     def accept_all(drafts, q, p, *, seed, first_position):
-        from specdec.sampling import STREAM_TARGET, sample, uniform
+        from specdec.core.sampling import STREAM_TARGET, sample, uniform
 
         return Verdict(len(drafts), sample(p[-1], uniform(seed, first_position + len(drafts), STREAM_TARGET)))
 
-    monkeypatch.setattr(specdec.local, "verify_stochastic", accept_all)
+    monkeypatch.setattr(specdec.models.local, "verify_stochastic", accept_all)
     target, draft = memo_pair
     params = SETTINGS["t1"]
     counts, _ = empirical(SpeculativeDecoder(target, draft), params, 0)

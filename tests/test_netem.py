@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specdec.netem import Link, parse_address, start_proxy
+from specdec.tools.netem import Link, parse_address, start_proxy
 
 
 async def echo_server():

@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.client import Client
-from specdec.otlp_receiver import OtlpReceiver
-from specdec.server import free_port
+from specdec.serving.client import Client
+from specdec.tools.otlp_receiver import OtlpReceiver
+from specdec.serving.server import free_port
 from test_e2e import coordinator, model_service
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
@@ -101,13 +101,13 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
     # A span per round, in order, with what the round did.
     rounds = sorted((s for s in trace if s["name"] == "specdec.round"), key=lambda s: s["start_ns"])
     assert all(s["parent_span_id"] == gen["span_id"] for s in rounds)
-    assert [s["attributes"]["specdec.gamma"] for s in rounds] == stats.gammas
+    assert [s["attributes"]["specdec.core.gamma"] for s in rounds] == stats.gammas
     assert [s["attributes"]["specdec.accepted"] for s in rounds] == stats.accepted_per_round
     for r in rounds:
         ra = r["attributes"]
         assert ra["specdec.bytes_out"] > 0 and ra["specdec.bytes_in"] > 0
         assert ra["specdec.target.network_s"] >= 0 and ra["specdec.target.compute_s"] > 0
-        if ra["specdec.gamma"]:
+        if ra["specdec.core.gamma"]:
             assert ra["specdec.draft.network_s"] >= 0 and ra["specdec.draft.compute_s"] > 0
 
     # Every RPC: a coordinator CLIENT span under a round, and the service's SERVER span under it.
@@ -125,7 +125,7 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
             parent = by_id[s["parent_span_id"]]
             assert (parent["kind"], parent["service"], parent["name"]) == ("CLIENT", "specdec-coordinator", s["name"])
             if s["name"].endswith(("/Propose", "/Verify")):
-                assert s["attributes"]["specdec.server.compute_s"] > 0
+                assert s["attributes"]["specdec.serving.server.compute_s"] > 0
 
 
 # ---------------------------------------------------------------- metrics
@@ -196,7 +196,7 @@ def test_metrics_move_by_what_the_generation_did(stack):
 
 
 def test_errors_are_counted_by_grpc_code(stack):
-    from specdec import errors
+    from specdec.serving import errors
 
     port = stack["metrics"]["coordinator"]
     before = _sum(_scrape(port), "specdec_rpc_errors_total", method="Generate", code="INVALID_ARGUMENT")
@@ -242,7 +242,7 @@ def test_a_cancelled_generate_still_ends_its_spans(stack, receiver):
     services free the session."""
     import time
 
-    from specdec.client import Delta
+    from specdec.serving.client import Delta
 
     def held():
         return (stack["draft"].model_info("draft").active_sessions,

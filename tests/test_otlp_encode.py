@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specdec import otlp_encode
-from specdec.otlp_receiver import OtlpReceiver
+from specdec.telemetry import otlp_encode
+from specdec.tools.otlp_receiver import OtlpReceiver
 
 @pytest.fixture(autouse=True)
 def cold_caches():
@@ -171,7 +171,7 @@ def test_an_attribute_the_protocol_cannot_carry_is_left_out_with_a_log_line(capl
     with caplog.at_level(logging.ERROR):
         message = _same_message(memory.get_finished_spans())  # the SDK leaves it out too
     assert [kv.key for kv in message.resource_spans[0].scope_spans[0].spans[0].attributes] == ["ok"]
-    ours = [r for r in caplog.records if r.name == "specdec.otlp_encode"]
+    ours = [r for r in caplog.records if r.name == "specdec.telemetry.otlp_encode"]
     assert ours and "left out of the OTLP export" in ours[0].getMessage()
 
 

@@ -1,18 +1,18 @@
-"""protobuf <-> core conversions (specdec.proto_convert) and typed config."""
+"""protobuf <-> core conversions (specdec.serving.convert) and typed config."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec import proto_convert as pc
-from specdec.config import ServiceConfig
-from specdec.errors import InvalidRequest
+from specdec.serving import convert as pc
+from specdec.serving.config import ServiceConfig
+from specdec.serving.errors import InvalidRequest
 from specdec.proto import specdec_pb2 as pb
-from specdec.rounds import DraftToken
-from specdec.sampling import SamplingParams, SparseDist
-from specdec.timing import ServerTiming
-from specdec.verification import Verdict
+from specdec.core.interfaces import DraftToken
+from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.serving.timing import ServerTiming
+from specdec.core.interfaces import Verdict
 
 
 def test_sampling_round_trip_and_defaults():

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from specdec.gamma import HeuristicGamma, RoundCost, StaticGamma
+from specdec.core.gamma import HeuristicGamma, RoundCost, StaticGamma
 
 _SPEC = importlib.util.spec_from_file_location(
     "replay_greedy_traces", pathlib.Path(__file__).parents[1] / "scripts" / "replay_greedy_traces.py")

@@ -3,13 +3,7 @@ import math
 import pytest
 import torch
 
-from specdec.sampling import (
-    SamplingParams,
-    process_logits,
-    sample,
-    truncate_top_k,
-    uniform,
-)
+from specdec.core.sampling import SamplingParams, process_logits, sample, truncate_top_k, uniform
 
 
 def test_temperature_scales_logits():
@@ -61,7 +55,7 @@ def test_top_p_matches_a_full_sort(top_p):
 
 def test_numpy_sort_equals_the_device_sort():
     """The CPU's numpy path and the torch.sort used on other devices agree."""
-    from specdec.sampling import _sorted_descending_numpy
+    from specdec.core.sampling import _sorted_descending_numpy
 
     probs = torch.softmax(torch.randn(3, 4096) * 4, -1)
     probs[0, :100] = 0.0  # zeros, as top-k leaves them

@@ -12,7 +12,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.server import free_port
+from specdec.serving.server import free_port
 
 
 def test_target_service_process_serves_then_drains_on_sigterm(tiny_pair, tmp_path):

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from service_harness import LoopThread, channel, start_service
-from specdec import errors, proto_convert as pc
-from specdec.local import draft_tokens, verify_drafts
-from specdec.model_runner import ModelRunner
+from specdec.serving import errors, convert as pc
+from specdec.models.local import draft_tokens, new_draft_sequence, verify_drafts
+from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams()
@@ -81,7 +81,7 @@ def test_propose_streams_gamma_tokens_like_local(stubs, local):
     _, draft_runner = local
     sid = new_session()
     msgs = propose(draft_stub, sid, 0, PROMPT, 5)
-    expected = list(draft_tokens(draft_runner, draft_runner.new_sequence(), 0, PROMPT, 5, GREEDY))
+    expected = list(draft_tokens(draft_runner, new_draft_sequence(draft_runner), 0, PROMPT, 5, GREEDY))
     assert [m.token for m in msgs] == [d.token for d in expected]
     assert not any(m.HasField("q") for m in msgs)  # greedy: no q on the wire
     assert [m.HasField("timing") for m in msgs] == [False] * 4 + [True]
@@ -94,7 +94,7 @@ def test_propose_sampling_sends_the_truncated_q_it_sampled_from(stubs, local):
     draft_stub, _ = stubs
     _, draft_runner = local
     msgs = propose(draft_stub, new_session(), 0, PROMPT, 4, SAMPLED, top_k=6)
-    expected = list(draft_tokens(draft_runner, draft_runner.new_sequence(), 0, PROMPT, 4, SAMPLED, 6))
+    expected = list(draft_tokens(draft_runner, new_draft_sequence(draft_runner), 0, PROMPT, 4, SAMPLED, 6))
     for m, d in zip(msgs, expected, strict=True):
         q = pc.draft_token_from_proto(m, vocab_size=32).q
         assert m.token == d.token and len(m.q.ids) == 6 and m.token in m.q.ids
@@ -205,8 +205,8 @@ def test_health_serving_and_reflection_lists_services(services):
 
 def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, monkeypatch):
     from draft_service.servicer import add_to_server
-    from specdec.config import ServiceConfig
-    from specdec.model_service import ModelHost, start_model_service
+    from specdec.serving.config import ServiceConfig
+    from specdec.serving.model_host import ModelHost, start_model_service
 
     gate = threading.Event()
     real_load = ModelHost.load

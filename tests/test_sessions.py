@@ -7,8 +7,14 @@ import dataclasses
 
 import pytest
 
-from specdec.errors import Draining, InvalidRequest, PositionMismatch, ResourceExhausted, SessionNotFound
-from specdec.sessions import SessionStore
+from specdec.serving.errors import (
+    Draining,
+    InvalidRequest,
+    PositionMismatch,
+    ResourceExhausted,
+    SessionNotFound,
+)
+from specdec.serving.sessions import SessionStore
 
 
 @dataclasses.dataclass

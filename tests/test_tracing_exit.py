@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specdec import tracing
+from specdec.telemetry import tracing
 
 
 class StuckExporter:
@@ -50,7 +50,7 @@ def exit_with(inner, spans: int, flush_s: float, caplog, local=None) -> float:
     for _ in range(spans):
         provider.get_tracer("t").start_span("s").end()
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="specdec.tracing"):
+    with caplog.at_level(logging.WARNING, logger="specdec.telemetry.tracing"):
         tracing.shutdown_tracing(provider, [exporter], flush_s=flush_s)
     return time.monotonic() - start
 
@@ -112,7 +112,7 @@ def test_a_service_process_exits_promptly_with_its_collector_down():
     script = textwrap.dedent(f"""
         import logging, time
         logging.basicConfig(level=logging.INFO)
-        from specdec import tracing
+        from specdec.telemetry import tracing
         tracing.setup_tracing("specdec-test", environ={{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:{port}"}})
         for _ in range(20):
             tracing.tracer().start_span("s").end()

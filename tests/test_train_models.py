@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from specdec import bundled
-from specdec import train_models as tm
+from specdec.models import bundled
+from specdec.tools import train_models as tm
 
 TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             intermediate_size=32)

@@ -5,7 +5,7 @@ seeded determinism, and a statistical check of one step against p."""
 import torch
 from scipy import stats
 
-from specdec.verification import verify_greedy, verify_stochastic
+from specdec.core.verification import verify_greedy, verify_stochastic
 
 V = 5
 
@@ -97,7 +97,7 @@ def test_seeded_determinism():
 
 def test_one_step_output_is_distributed_as_p():
     """Draft y ~ q, then verify: the emitted token must follow p exactly."""
-    from specdec.sampling import STREAM_DRAFT, sample, uniform
+    from specdec.core.sampling import STREAM_DRAFT, sample, uniform
 
     p = torch.stack([dist(0.05, 0.4, 0.3, 0.0, 0.25), dist(1, 1, 1, 1, 1)])
     q = dist(0.3, 0.1, 0.1, 0.4, 0.1).unsqueeze(0)  # q puts mass where p has none

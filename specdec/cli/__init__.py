@@ -21,13 +21,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "draft-service": ("draft_service.server", "run the draft model gRPC service"),
     "target-service": ("target_service.server", "run the target model gRPC service"),
     "coordinator": ("coordinator.server", "run the coordinator gRPC service"),
-    "train-models": ("specdec.train_models", "train the bundled target/draft model pair"),
-    "eval-pair": ("specdec.eval_pair", "measure a model pair: latency, held-out loss, acceptance"),
-    "netem": ("specdec.netem", "TCP proxy adding latency and a bandwidth cap (network emulation)"),
-    "bench": ("specdec.bench", "benchmark against target-only and HF assisted generation, in-process and distributed"),
-    "bench-overhead": ("specdec.cli.bench_overhead", "measure the decoder's per-round overhead"),
-    "trace-report": ("specdec.cli.trace_report", "per-round time breakdown (and PNG) from --trace-file traces"),
-    "bench-tracing": ("specdec.cli.bench_tracing", "tokens/s with tracing exporting vs off, side by side"),
+    "train-models": ("specdec.tools.train_models", "train the bundled target/draft model pair"),
+    "eval-pair": ("specdec.tools.eval_pair", "measure a model pair: latency, held-out loss, acceptance"),
+    "netem": ("specdec.tools.netem", "TCP proxy adding latency and a bandwidth cap (network emulation)"),
+    "bench": ("specdec.tools.bench", "benchmark against target-only and HF assisted generation, in-process and distributed"),
+    "bench-overhead": ("specdec.tools.bench_overhead", "measure the decoder's per-round overhead"),
+    "trace-report": ("specdec.tools.trace_report", "per-round time breakdown (and PNG) from --trace-file traces"),
+    "bench-tracing": ("specdec.tools.bench_tracing", "tokens/s with tracing exporting vs off, side by side"),
 }
 
 

@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdec.client import Client
-    from specdec.server import free_port
+    from specdec.serving.client import Client
+    from specdec.serving.server import free_port
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")

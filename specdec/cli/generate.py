@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from specdec.config import DEFAULT_DRAFT_TOP_K
+from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
     target, draft = args.target, args.draft
     if target is None or draft is None:
-        from specdec import bundled
+        from specdec.models import bundled
 
         target = target or bundled.target_path()
         draft = draft or bundled.draft_path()
@@ -131,8 +131,8 @@ def _run_local(args: argparse.Namespace) -> int:
 def _run_remote(args: argparse.Namespace) -> int:
     """Stream from a coordinator: text is printed as each round commits (ids when
     the coordinator has no tokenizer); with --json one object at the end."""
-    from specdec import errors
-    from specdec.client import Client, Delta
+    from specdec.serving import errors
+    from specdec.serving.client import Client, Delta
 
     request = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

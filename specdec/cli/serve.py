@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from specdec.config import DEFAULT_PORTS, ServiceConfig, env_names, role_prefixes
+from specdec.serving.config import DEFAULT_PORTS, ServiceConfig, env_names, role_prefixes
 
 HOST = "127.0.0.1"
 
@@ -58,7 +58,7 @@ def model_dirs(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
     """(target, draft) directories: the flags, else the bundled pair."""
     target, draft = args.target_model, args.draft_model
     if target is None or draft is None:
-        from specdec import bundled
+        from specdec.models import bundled
 
         if not bundled.is_available():
             raise ValueError(

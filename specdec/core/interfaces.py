@@ -1,0 +1,126 @@
+"""What the round loop talks to, and what it hands back.
+
+Terms, for one round:
+
+* a **draft** is a token the proposer (the draft model) sampled from its
+  distribution q; a round drafts γ of them;
+* **accepted** drafts are the prefix the verifier (the target model) keeps;
+* the **next token** is the target's own: the *correction* sampled at the
+  first rejected position, or the *bonus* token after γ accepted drafts.
+
+A round therefore commits ``accepted + 1`` tokens, fewer only when generation
+ends inside it (EOS, the token budget, the context, a stop sequence).
+
+This module imports neither torch nor anything above the core, so that
+clients, configuration and ``--help`` can name these types cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+if TYPE_CHECKING:
+    from specdec.core.sampling import Distribution, SamplingParams
+
+# Under sampling the draft samples from its top-k tokens and ships that sparse q
+# (exact: q is what it sampled from) as (id, prob) pairs, ~6 bytes each on the
+# wire, against vocab x 4 bytes per draft for a dense q; both cross twice.
+# Truncation changes q, so it can lower acceptance when the draft's distribution
+# is flat: with the bundled pair (t = 0.8, top-p 0.95, γ = 4) accepted/proposed
+# was 0.41 dense, 0.39 at k = 256, 0.32 at k = 64. 0 = dense. The in-process
+# decoder and the coordinator share this default, so one seed gives the same
+# tokens in both.
+DEFAULT_DRAFT_TOP_K = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftToken:
+    token: int
+    q: Distribution | None  # what it was sampled from; None under greedy
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    accepted: int  # how many drafts were accepted (0..γ)
+    next_token: int  # the correction (if accepted < γ) or the bonus token
+
+
+class Proposer(Protocol):
+    def propose(
+        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams, draft_top_k: int
+    ) -> Iterator[DraftToken]:
+        """Roll back to ``position``, append ``new_tokens`` and draft ``gamma``
+        tokens, yielding each as soon as it is drafted."""
+
+
+class Verifier(Protocol):
+    def verify(
+        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
+    ) -> Verdict:
+        """Roll back to ``position``, append ``new_tokens`` and judge ``drafts``;
+        afterwards hold the accepted drafts and the next token."""
+
+
+@dataclasses.dataclass
+class SessionState:
+    """The committed sequence (prompt and generated tokens), and how long a
+    prefix of it each side is known to hold."""
+
+    tokens: list[int]
+    draft_synced: int = 0
+    target_synced: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+    tokens: list[int]  # committed this round (accepted drafts + next token, maybe cut short)
+    gamma: int
+    accepted: int
+    draft_s: float  # from asking for drafts to holding all of them
+    verify_s: float
+    finish_reason: str | None  # "eos" | "length" | "stop" | None while generating
+    draft_first_s: float | None = None  # until the first draft arrived (the rest is per-token drafting)
+    # History tokens each side ran before this round's own work (beyond the one
+    # token of the last round): a pre-fill, or the draft catching up after γ = 0.
+    draft_caught_up: int = 0
+    target_caught_up: int = 0
+
+
+class RoundObserver(Protocol):
+    """What the round loop reports to; it knows nothing else of telemetry.
+
+    ``round_started`` comes before the round's first call to either side, and
+    then exactly one of ``round_finished`` (with the round's result) or
+    ``round_failed`` (with what the round raised), before the loop yields."""
+
+    def round_started(self, index: int) -> None: ...
+
+    def round_finished(self, result: RoundResult) -> None: ...
+
+    def round_failed(self, error: BaseException) -> None: ...
+
+
+class NoObserver:
+    """Sees every round and does nothing."""
+
+    def round_started(self, index: int) -> None:
+        pass
+
+    def round_finished(self, result: RoundResult) -> None:
+        pass
+
+    def round_failed(self, error: BaseException) -> None:
+        pass
+
+
+NO_OBSERVER = NoObserver()
+
+
+class StopCondition(Protocol):
+    """A finish condition beyond EOS and the token budget: a stop sequence."""
+
+    def stop_after(self, tokens: list[int]) -> int | None:
+        """Shown each round's committed tokens in order: None to go on, or
+        how many of them to keep (up to the one completing the stop sequence)
+        when generation ends among them."""

@@ -1,0 +1,166 @@
+"""The in-process decoder: draft and target in this process, the round loop of
+specdec.core.rounds between them. It is both a library API and the honest baseline the
+distributed system is measured against."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from specdec.core.gamma import GammaPolicy, StaticGamma
+from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K, NO_OBSERVER, RoundObserver, SessionState
+from specdec.core.rounds import Limits, run_rounds
+from specdec.core.sampling import SamplingParams
+from specdec.core.text import TextStream
+from specdec.core.vocabulary import check_same_vocabulary, check_token_ids
+from specdec.models.local import LocalProposer, LocalVerifier, new_draft_sequence
+from specdec.models.runner import ModelRunner
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated ids, prompt excluded
+    accepted: list[int]  # accepted drafts per round
+    gammas: list[int]  # drafts proposed per round
+    rounds: int
+    target_forwards: int
+    elapsed_s: float
+    finish_reason: str  # "eos" | "length" | "stop"
+    text: str | None = None  # the generated text (up to a stop string), when the target has a tokenizer
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(self.gammas)
+        return sum(self.accepted) / proposed if proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per round (accepted drafts + the target's own token)."""
+        return len(self.token_ids) / self.rounds if self.rounds else 0.0
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, context: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    check_token_ids(prompt_ids, vocab_size, "prompt_ids")
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens does not fit the model context of {context} "
+            "(at least one position must be left to generate)"
+        )
+
+
+def check_pair(target: ModelRunner, draft: ModelRunner) -> None:
+    """Draft and target must map ids to the same tokens."""
+    check_same_vocabulary(f"draft {draft.path}", draft.vocab_size, draft.fingerprint,
+                          f"target {target.path}", target.vocab_size, target.fingerprint)
+
+
+def _runner(model, device: str, dtype: str, lean: bool = False) -> ModelRunner:
+    """A path is loaded; anything else is taken to be a ready runner."""
+    if isinstance(model, (str, os.PathLike)):
+        return ModelRunner(model, device, dtype, lean=lean)
+    return model
+
+
+class SpeculativeDecoder:
+    """Speculative decoding with both models in this process.
+
+    >>> dec = SpeculativeDecoder(target="path/to/target", draft="path/to/draft")
+    >>> out = dec.generate(prompt_ids, max_new_tokens=64, gamma=4)
+
+    A draft loaded from a path runs through specdec.models.lean_llama when it can
+    (``lean_draft=False``: Hugging Face's forward); the target never does.
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike | ModelRunner,
+        draft: str | os.PathLike | ModelRunner | None = None,
+        *,
+        device: str = "cpu",
+        draft_device: str | None = None,
+        dtype: str = "float32",
+        lean_draft: bool = True,
+    ):
+        self.target = _runner(target, device, dtype)
+        self.draft = None
+        if draft is not None:  # the draft's forward may be the lean one: its numerics never change the output
+            self.draft = _runner(draft, draft_device or device, dtype, lean=lean_draft)
+            check_pair(self.target, self.draft)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        gamma: int | GammaPolicy = 4,
+        draft_top_k: int = DEFAULT_DRAFT_TOP_K,
+        stop: list[str] | tuple[str, ...] = (),
+        observer: RoundObserver = NO_OBSERVER,
+    ) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` after ``prompt_ids``. ``gamma`` is a
+        fixed count or a policy; 0 (or no draft model) is plain target decoding.
+        Under sampling the draft samples from its top ``draft_top_k`` tokens
+        (0: its whole distribution) -- exact either way; the default equals the
+        coordinator's, so a seed gives the same tokens in-process and distributed.
+        ``stop`` strings end the output before them (as the coordinator does;
+        needs the target's tokenizer). ``observer`` sees every round."""
+        params = (sampling or SamplingParams()).with_seed()
+        policy = self._policy(gamma)
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if draft_top_k < 0:
+            raise ValueError(f"draft_top_k must be >= 0, got {draft_top_k}")
+        prompt_ids = list(prompt_ids)
+        context = self.target.max_context
+        if self.draft is not None:
+            context = min(context, self.draft.max_context)
+        check_prompt(prompt_ids, self.target.vocab_size, context)
+        text = self._text_stream(stop, prompt_ids)
+
+        start = time.perf_counter()
+        state = SessionState(tokens=list(prompt_ids))
+        verifier = LocalVerifier(self.target, self.target.new_sequence())
+        proposer = None
+        if self.draft is not None and not (isinstance(gamma, int) and gamma == 0):
+            proposer = LocalProposer(self.draft, new_draft_sequence(self.draft))
+        limits = Limits(max_new_tokens, context, frozenset(self.target.eos_token_ids), text)
+        rounds = list(run_rounds(proposer, verifier, state, params=params, gamma_policy=policy, limits=limits,
+                                 draft_top_k=draft_top_k, observer=observer))
+        elapsed = time.perf_counter() - start
+        token_ids = state.tokens[len(prompt_ids):]
+        return GenerationOutput(
+            token_ids=token_ids,
+            accepted=[r.accepted for r in rounds],
+            gammas=[r.gamma for r in rounds],
+            rounds=len(rounds),
+            target_forwards=len(rounds),
+            elapsed_s=elapsed,
+            finish_reason=rounds[-1].finish_reason or "length",
+            text=None if text is None else text.take() + text.finish(),
+        )
+
+    @staticmethod
+    def _policy(gamma: int | GammaPolicy) -> GammaPolicy:
+        if isinstance(gamma, int):
+            if gamma < 0:
+                raise ValueError(f"gamma must be >= 0, got {gamma}")
+            return StaticGamma(gamma)
+        return gamma
+
+    def _text_stream(self, stop, prompt_ids: list[int]) -> TextStream | None:
+        """What turns tokens into text and finds stop strings; None without a tokenizer."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        if self.tokenizer is None:
+            if stop:
+                raise ValueError(f"{self.target.path} has no tokenizer, so stop strings cannot be matched")
+            return None
+        return TextStream(self.tokenizer, stop, context_ids=prompt_ids)

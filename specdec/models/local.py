@@ -1,0 +1,199 @@
+"""Drafting and verifying with a local model: the compute behind the draft and
+target services and the in-process decoder alike."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+from specdec.models.runner import ModelRunner, Sequence
+from specdec.core.interfaces import DraftToken
+from specdec.core.verification import dense_rows
+from specdec.core.sampling import (
+    STREAM_DRAFT,
+    SamplingParams,
+    process_logits,
+    sample,
+    truncate_top_k,
+    uniform,
+)
+from specdec.core.interfaces import Verdict
+from specdec.core.verification import verify_greedy, verify_stochastic
+
+
+def draft_tokens(
+    runner: ModelRunner,
+    seq: DraftSequence,
+    position: int,
+    new_tokens: list[int],
+    gamma: int,
+    params: SamplingParams,
+    draft_top_k: int = 0,
+) -> Iterator[DraftToken]:
+    """Roll ``seq`` back to ``position``, append ``new_tokens``, then sample
+    ``gamma`` tokens one by one, yielding each with the distribution it was
+    sampled from (truncated to the top ``draft_top_k`` when > 0).
+
+    Drafts that :func:`draft_ahead` made since the last call and that this call
+    would make again are yielded without running the model."""
+    ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
+    reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
+    if ahead is not None:
+        ahead.reused = len(reused)
+    if reused:  # seq already holds new_tokens and the reused drafts after position
+        held = position + len(new_tokens) + len(reused)
+        runner.rollback(seq, held)
+        runner.uncache(seq, held - 1)  # the last draft stays un-run, as a freshly drafted one is
+        yield from reused
+    else:
+        runner.rollback(seq, position)
+        if ahead is not None:  # forget the passes drafting ahead made: run what a fresh request runs
+            runner.uncache(seq, ahead.cached)
+        seq.tokens.extend(new_tokens)
+    for _ in range(gamma - len(reused)):
+        yield draft_one(runner, seq, params, draft_top_k)
+
+
+def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int,
+              run: int = 1) -> DraftToken:
+    """Sample the token after ``seq`` and append it. The draw is a pure function of
+    (the tokens before it, params, seed, k): the seed's uniform for this position.
+    ``run``: run at least the last ``run`` tokens, cached or not (see
+    :func:`draft_ahead`)."""
+    logits = runner.logits(seq, 1, run)[0]
+    if params.greedy:
+        token, q = int(logits.argmax()), None
+    else:
+        q = process_logits(logits, params)
+        u = uniform(params.seed, len(seq.tokens), STREAM_DRAFT)
+        if draft_top_k > 0:
+            q = truncate_top_k(q, draft_top_k)
+            token = int(q.ids[sample(q.probs, u)])
+        else:
+            token = sample(q, u)
+    seq.tokens.append(token)
+    return DraftToken(token, q)
+
+
+@dataclasses.dataclass
+class DraftSequence(Sequence):
+    """A draft session's sequence, with the drafts made ahead of its next
+    request (:func:`draft_ahead`), if any."""
+
+    ahead: DraftsAhead | None = None
+
+
+def new_draft_sequence(runner: ModelRunner) -> DraftSequence:
+    return DraftSequence(tokens=[], cache=runner.new_cache())
+
+
+@dataclasses.dataclass
+class DraftsAhead:
+    """What :func:`draft_ahead` made: ``drafts`` are ``seq.tokens[start:]``, the
+    first of them the guess at the target's next token, drafted with ``params``
+    and ``draft_top_k``; the KV cache held ``cached`` positions before.
+    ``reused``: how many the next request took (set by :func:`draft_tokens`)."""
+
+    start: int
+    cached: int
+    drafts: list[DraftToken]
+    params: SamplingParams
+    draft_top_k: int
+    reused: int = 0
+
+    def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
+                 params: SamplingParams, draft_top_k: int) -> list[DraftToken]:
+        """The drafts (up to ``gamma``) this request would make, if they were made
+        ahead: only for the round bet on -- the request continues from the drafts
+        the sequence held with one new token, the target's, equal to the guess.
+
+        Drafting is deterministic given the tokens before a position, the params
+        and k (:func:`draft_one`), and the drafts made ahead were run through the
+        model in the same passes as a fresh request runs them, so they are
+        bit-identical to the ones this request would make, q included."""
+        first = position + len(new_tokens)  # where the first requested draft lands
+        if (params != self.params or draft_top_k != self.draft_top_k or len(self.drafts) < 2
+                or not new_tokens or first != self.start + 1 or position < self.cached
+                or seq.tokens[position:first] != list(new_tokens)):
+            return []
+        return self.drafts[1:1 + gamma]
+
+
+def held_tokens(seq: DraftSequence) -> int:
+    """How many tokens a session holds as far as its callers know. Drafts made
+    ahead are the service's own bet: no caller may name a position inside them,
+    and they do not count against the token cap (at most γ + 3 per session)."""
+    ahead = seq.ahead  # read once: the model's executor may replace it meanwhile
+    return ahead.start if ahead is not None else len(seq.tokens)
+
+
+def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int, count: int,
+                stop: Callable[[], bool]) -> int:
+    """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will
+    accept every draft and pick the draft's own next token (the guess) after
+    them: done on the draft's device while the target verifies, so when the
+    guess is right the next round's drafts already exist (kept in ``seq.ahead``
+    for the next :func:`draft_tokens`). ``stop`` is asked before each token:
+    real work waiting for the model comes first. Returns how many were made.
+
+    Float rounding depends on how tokens are grouped into passes, so the passes
+    are those of a fresh request: the next request would run the tokens not yet
+    run together with its first new token in one pass, so the draft after the
+    guess comes from one pass over those tokens and the guess."""
+    start, cached = len(seq.tokens), seq.cache_length
+    drafts: list[DraftToken] = []
+    seq.ahead = DraftsAhead(start, cached, drafts, params, draft_top_k)
+    while len(drafts) < count and len(seq.tokens) < runner.max_context and not stop():
+        run = start - cached + 1 if len(drafts) == 1 else 1
+        drafts.append(draft_one(runner, seq, params, draft_top_k, run))
+    return len(drafts)
+
+
+def verify_drafts(
+    runner: ModelRunner,
+    seq: Sequence,
+    position: int,
+    new_tokens: list[int],
+    drafts: list[DraftToken],
+    params: SamplingParams,
+) -> Verdict:
+    """Roll ``seq`` back to ``position``, append ``new_tokens`` and the drafts, run
+    them in one forward pass and judge the drafts. Afterwards ``seq`` holds the
+    accepted drafts followed by the next token (not yet run)."""
+    runner.rollback(seq, position)
+    seq.tokens.extend(new_tokens)
+    first = len(seq.tokens)  # where drafts[0] lands
+    tokens = [d.token for d in drafts]
+    seq.tokens.extend(tokens)
+    logits = runner.logits(seq, len(drafts) + 1)
+    if params.greedy:
+        verdict = verify_greedy(tokens, logits)
+    else:
+        p = process_logits(logits, params)
+        q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device)
+        verdict = verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
+    runner.rollback(seq, first + verdict.accepted)
+    seq.tokens.append(verdict.next_token)
+    return verdict
+
+
+@dataclasses.dataclass
+class LocalProposer:
+    """The draft model in this process, for one session."""
+
+    runner: ModelRunner
+    seq: DraftSequence
+
+    def propose(self, position, new_tokens, gamma, params, draft_top_k):
+        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, draft_top_k)
+
+
+@dataclasses.dataclass
+class LocalVerifier:
+    """The target model in this process, for one session."""
+
+    runner: ModelRunner
+    seq: Sequence
+
+    def verify(self, position, new_tokens, drafts, params):
+        return verify_drafts(self.runner, self.seq, position, new_tokens, drafts, params)

@@ -1,0 +1,208 @@
+"""The Python client of a specdec coordinator.
+
+    import specdec
+    client = specdec.Client("localhost:50051")
+    for event in client.generate("def fib(n):", max_new_tokens=64):
+        if isinstance(event, specdec.serving.client.Delta):
+            print(event.text, end="", flush=True)
+        else:                                   # the final Stats
+            print(f"\\n{event.tokens_per_second:.1f} tok/s, acceptance {event.acceptance_rate:.0%}")
+
+    # or all at once
+    out = client.complete("def fib(n):", max_new_tokens=64, session_id="chat-1")
+    client.close_session("chat-1")
+
+Synchronous on purpose (a plain gRPC channel): streaming is an ordinary for-loop,
+and leaving the loop early cancels the request, which frees the session's state
+in both model services. Failed calls raise the typed errors of
+:mod:`specdec.serving.errors` (``InvalidRequest`` is a ``ValueError``; every error has
+``.code``, the gRPC status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable, Iterator
+
+import grpc
+
+from specdec.serving import errors, convert as proto_convert
+from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.serving.stats import GenerationStats
+
+DEFAULT_ADDRESS = "localhost:50051"
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Tokens committed by one round, and the text they complete (text waits for
+    whole characters, and for a possible stop string to be decided)."""
+
+    token_ids: list[int]
+    text: str
+
+
+# The final event of a stream (the coordinator fills the same dataclass).
+Stats = GenerationStats
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+
+class Client:
+    """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = 64 << 20):
+        self.address = address
+        self.timeout = timeout  # default deadline of every call (None: none)
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # reconnect within a second or two to a coordinator that was not up yet
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ])
+        self._stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Iterable[int] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        gamma_policy: str = "",
+        stop: Iterable[str] | str = (),
+        session_id: str = "",
+        draft_top_k: int | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[Delta | Stats]:
+        """Stream a completion of ``prompt`` (text) or ``prompt_ids``: a
+        :class:`Delta` per round as soon as it is accepted, then one
+        :class:`Stats`. ``session_id`` continues a conversation (the prompt is
+        appended to its history; only the new part is pre-filled). Under
+        sampling the draft samples from, and sends, its top ``draft_top_k``
+        tokens (None: the coordinator's ``--draft-top-k``; 0: all of them).
+        Breaking out of the loop cancels the request."""
+        # Plain ints, once (an iterator would be used up by the check); numpy and
+        # torch integers too, and not by truth value (an array has none).
+        prompt_ids = _token_ids(prompt_ids)
+        _check_fields(max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
+        sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
+        if top_p != 1.0:
+            sampling.top_p = top_p
+        if seed is not None:
+            sampling.seed = seed
+        request = pb.GenerateRequest(
+            session_id=session_id, prompt=prompt or "", prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
+            stop=[stop] if isinstance(stop, str) else list(stop or ()), draft_top_k=draft_top_k,
+        )  # draft_top_k=None leaves the optional field unset
+        call = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            for message in call:
+                if message.HasField("delta"):
+                    yield Delta(list(message.delta.token_ids), message.delta.text)
+                else:
+                    yield proto_convert.stats_from_proto(message.stats)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op when the stream is complete; frees the session otherwise
+
+    def complete(self, prompt: str | None = None, **kwargs) -> Completion:
+        """:meth:`generate`, collected: the whole text, ids and stats."""
+        text, ids, stats = [], [], None
+        for event in self.generate(prompt, **kwargs):
+            if isinstance(event, Delta):
+                text.append(event.text)
+                ids.extend(event.token_ids)
+            else:
+                stats = event
+        return Completion("".join(text), ids, stats)
+
+    def close_session(self, session_id: str, *, timeout: float | None = None) -> bool:
+        """Forget a named session (NOT_FOUND -> ``SessionNotFound`` if unknown)."""
+        try:
+            return self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id),
+                timeout=timeout if timeout is not None else self.timeout,
+            ).existed
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the coordinator's health check reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        import time
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0,
+                                    wait_for_ready=True).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(f"coordinator at {self.address} not serving after {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_UINT32, _UINT64 = 2**32 - 1, 2**64 - 1
+_FIELD_MAX = {"max_new_tokens": _UINT32, "top_k": _UINT32, "seed": _UINT64, "draft_top_k": _UINT32}
+
+
+def _token_ids(prompt_ids) -> list[int]:
+    """Token ids as plain ints in int32 (the wire type), or InvalidRequest naming the bad one."""
+    if prompt_ids is None:
+        return []
+    try:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError
+        tokens = iter(prompt_ids)
+    except TypeError:
+        raise errors.InvalidRequest(f"prompt_ids must be a sequence of token ids, got {prompt_ids!r}") from None
+    ids = []
+    for i, token in enumerate(tokens):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            token = operator.index(token)
+        except TypeError:
+            batch = i == 0 and hasattr(token, "__len__") and not isinstance(token, str)
+            hint = " (a batch of one? pass ids[0])" if batch else ""
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer){hint}") from None
+        if not -(2**31) <= token < 2**31:  # int32 on the wire; the coordinator checks the vocabulary
+            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")
+        ids.append(token)
+    return ids
+
+
+def _check_fields(**fields) -> None:
+    """What protobuf would refuse with a bare "Value out of range", named."""
+    for name, value in fields.items():
+        if value is not None and not 0 <= value <= _FIELD_MAX[name]:
+            raise errors.InvalidRequest(f"{name} must be in [0, {_FIELD_MAX[name]}], got {value}")

@@ -1,0 +1,252 @@
+"""Every conversion between protobuf messages and specdec's core types.
+
+Used by the services and the coordinator alike, so the wire format is decided
+here once:
+
+* ``SamplingParams``: proto ``top_p`` unset -> 1.0; ``seed`` unset -> None.
+* ``Distribution``: float32 little-endian bytes. Dense: ``ids`` empty, one value
+  per vocabulary entry. Sparse (the draft's truncated top-k): ``probs[j]`` is the
+  probability of ``ids[j]``. Decoding is one ``np.frombuffer`` and validates what
+  the lossless acceptance test relies on (right length, finite, non-negative, ids
+  inside the vocabulary and unique).
+* ``DraftToken``, ``Verdict`` (``VerifyResponse``) and ``ServerTiming``.
+
+Decoders raise :class:`specdec.serving.errors.InvalidRequest` (-> INVALID_ARGUMENT) with
+a message naming the field.
+
+The core types that bring torch (distributions, draft tokens, verdicts, sampling
+parameters) are imported inside the functions that build them, so that
+:mod:`specdec.serving.client`, which needs only the stats, does not load torch: ~3 s and
+~190 MB for a process that only talks to a coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from specdec.serving.errors import InvalidRequest
+from specdec.proto import specdec_pb2 as pb
+from specdec.serving.stats import GenerationStats
+from specdec.serving.timing import ServerTiming
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdec.core.interfaces import DraftToken, Distribution
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.interfaces import Verdict
+
+_F32_LE = np.dtype("<f4")
+
+# ------------------------------------------------------------------ sampling
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k)
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams | None) -> SamplingParams:
+    """Unset message = greedy. Invalid values -> InvalidRequest naming the field."""
+    from specdec.core.sampling import SamplingParams
+
+    if msg is None:
+        return SamplingParams()
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+    except ValueError as e:
+        raise InvalidRequest(f"sampling: {e}") from None
+
+
+# ------------------------------------------------------------------ distributions
+
+
+def _probs_bytes(t: torch.Tensor) -> bytes:
+    arr = t.detach().cpu().float().contiguous().numpy()  # float(): bfloat16 has no numpy dtype
+    return arr.astype(_F32_LE, copy=False).tobytes()
+
+
+def dist_to_proto(q: Distribution) -> pb.Distribution:
+    """A dense [V] tensor or a SparseDist -> Distribution. Tensors on a device are
+    copied to the host here; copy them first to time that copy separately. A
+    Distribution message (the coordinator forwarding what the draft sent) passes
+    through untouched: the target validates it."""
+    from specdec.core.sampling import SparseDist
+
+    if isinstance(q, pb.Distribution):
+        return q
+    if isinstance(q, SparseDist):
+        return pb.Distribution(ids=q.ids.detach().cpu().tolist(), probs=_probs_bytes(q.probs))
+    if q.dim() != 1:
+        raise ValueError(f"a dense distribution is one row [V], got shape {tuple(q.shape)}")
+    return pb.Distribution(probs=_probs_bytes(q))
+
+
+_SUM_TOLERANCE = 1e-3
+
+
+def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: str = "distribution") -> Distribution:
+    """Distribution -> dense float32 tensor [V] or SparseDist (on the CPU).
+
+    With ``vocab_size`` the ids / dense length are checked against it."""
+    import torch
+
+    from specdec.core.sampling import SparseDist
+
+    raw = msg.probs
+    if len(raw) % 4:
+        raise InvalidRequest(f"{what}: probs has {len(raw)} bytes, not a whole number of float32 values")
+    # Checked in numpy: a few µs where torch's small ops took ~80 per distribution,
+    # γ times per round on the target's critical path.
+    values = np.frombuffer(raw, dtype=_F32_LE).astype(np.float32)  # astype copies: writable
+    n = values.size
+    if n == 0:
+        raise InvalidRequest(f"{what}: probs is empty")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise InvalidRequest(f"{what}: probabilities must be finite and >= 0")
+    if not values.any():
+        raise InvalidRequest(f"{what}: all probabilities are 0")
+    probs = torch.from_numpy(values)
+    if len(msg.ids) == 0:
+        if vocab_size is not None and n != vocab_size:
+            raise InvalidRequest(f"{what}: dense distribution has {n} values, the vocabulary has {vocab_size}")
+        _check_sum(values, what)
+        return probs
+    if len(msg.ids) != n:
+        raise InvalidRequest(f"{what}: {len(msg.ids)} ids but {n} probabilities")
+    ids = np.array(msg.ids, dtype=np.int64)
+    if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = next(int(i) for i in msg.ids if not 0 <= i < vocab_size)
+        raise InvalidRequest(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if n > 1 and not np.diff(np.sort(ids)).all():  # a repeat sorts next to itself
+        raise InvalidRequest(f"{what}: ids are not unique")
+    _check_sum(values, what)
+    return SparseDist(ids=torch.from_numpy(ids), probs=probs)
+
+
+def _check_sum(values: np.ndarray, what: str) -> None:
+    """The acceptance test reads q(y) as a probability: a q that does not sum to 1
+    would silently bias it. A normalised q's float32 rounding is far inside this."""
+    total = float(values.sum(dtype=np.float64))
+    if abs(total - 1.0) > _SUM_TOLERANCE:
+        raise InvalidRequest(f"{what}: probabilities must sum to 1, got {total:.6g}")
+
+
+def dist_prob(q: Distribution, token: int) -> float:
+    """q(token) for a dense or sparse distribution (unnormalised, as sent)."""
+    from specdec.core.sampling import SparseDist
+
+    if isinstance(q, SparseDist):
+        hit = (q.ids == token).nonzero()
+        return float(q.probs[hit[0, 0]]) if hit.numel() else 0.0
+    return float(q[token])
+
+
+# ------------------------------------------------------------------ draft tokens
+
+
+def draft_token_to_proto(d: DraftToken, timing: ServerTiming | None = None) -> pb.DraftToken:
+    msg = pb.DraftToken(token=d.token)
+    if d.q is not None:
+        msg.q.CopyFrom(dist_to_proto(d.q))
+    if timing is not None:
+        msg.timing.CopyFrom(timing_to_proto(timing))
+    return msg
+
+
+def draft_token_from_proto(msg: pb.DraftToken, vocab_size: int | None = None) -> DraftToken:
+    from specdec.core.interfaces import DraftToken
+
+    q = dist_from_proto(msg.q, vocab_size, f"q of draft token {msg.token}") if msg.HasField("q") else None
+    return DraftToken(token=msg.token, q=q)
+
+
+# ------------------------------------------------------------------ verdicts and timings
+
+
+def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.VerifyResponse:
+    msg = pb.VerifyResponse(accepted=v.accepted, next_token=v.next_token)
+    if timing is not None:
+        msg.timing.CopyFrom(timing_to_proto(timing))
+    return msg
+
+
+def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
+    from specdec.core.interfaces import Verdict
+
+    return Verdict(accepted=msg.accepted, next_token=msg.next_token)
+
+
+def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
+    return pb.ServerTiming(
+        queue_s=t.queue_s, compute_s=t.compute_s, copy_s=t.copy_s, computed_tokens=t.computed_tokens
+    )
+
+
+def timing_from_proto(msg: pb.ServerTiming) -> ServerTiming:
+    return ServerTiming(msg.queue_s, msg.compute_s, msg.copy_s, msg.computed_tokens)
+
+
+# ------------------------------------------------------------------ requests (coordinator side)
+
+
+def propose_request(
+    session_id: str,
+    round_id: int,
+    position: int,
+    new_tokens: Iterable[int],
+    gamma: int,
+    params: SamplingParams,
+    draft_top_k: int = 0,
+) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
+        gamma=gamma, sampling=sampling_to_proto(params), draft_top_k=draft_top_k,
+    )
+
+
+def verify_request(
+    session_id: str,
+    round_id: int,
+    position: int,
+    new_tokens: Iterable[int],
+    drafts: list[DraftToken],
+    params: SamplingParams,
+) -> pb.VerifyRequest:
+    """Under greedy decoding no q is sent (the target does not need it)."""
+    msg = pb.VerifyRequest(
+        session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
+        draft_tokens=[d.token for d in drafts], sampling=sampling_to_proto(params),
+    )
+    if not params.greedy:
+        for d in drafts:
+            if d.q is None:
+                raise ValueError(f"draft token {d.token} has no q; sampling needs one per draft")
+            msg.draft_q.append(dist_to_proto(d.q))
+    return msg
+
+
+# ------------------------------------------------------------------ generation stats
+
+
+def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
+    return pb.GenerationStats(**dataclasses.asdict(stats))
+
+
+def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(GenerationStats)}
+    values["gammas"] = list(msg.gammas)
+    values["accepted_per_round"] = list(msg.accepted_per_round)
+    return GenerationStats(**values)

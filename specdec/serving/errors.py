@@ -1,0 +1,211 @@
+"""Typed errors and the one place they become gRPC status codes.
+
+Service code raises plain Python exceptions that say what went wrong
+(``SessionNotFound("session 'abc' is not held ...")``); :class:`ErrorInterceptor`
+turns them into a status code plus that message on the wire. Nothing in a
+servicer calls ``context.abort`` by hand, so every service answers the same way:
+
+==========================  =====================
+exception                   status
+==========================  =====================
+InvalidRequest, ValueError  INVALID_ARGUMENT
+SessionNotFound             NOT_FOUND
+PositionMismatch            FAILED_PRECONDITION
+FailedPrecondition          FAILED_PRECONDITION
+ResourceExhausted           RESOURCE_EXHAUSTED
+Draining, Unavailable       UNAVAILABLE
+TimeoutError                DEADLINE_EXCEEDED
+grpc.aio.AioRpcError        its own code (a downstream call failed)
+anything else               INTERNAL (logged with its traceback)
+==========================  =====================
+
+On the client side :func:`from_rpc_error` maps a status back to these types, so
+the coordinator can write ``except SessionNotFound:`` around a service call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class SpecdecError(Exception):
+    """Base of the errors that carry their own gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(SpecdecError, ValueError):
+    """The request itself is wrong (a field out of range, ids outside the vocab ...)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionNotFound(SpecdecError):
+    """The service holds no such session (never started, ended, evicted or expired).
+    The caller re-pre-fills it from its own token history with position 0."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(SpecdecError):
+    """The request is well-formed but the system is not in a state to run it
+    (e.g. draft and target speak different vocabularies)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PositionMismatch(FailedPrecondition):
+    """The caller believes the service holds more of the session than it does."""
+
+    def __init__(self, session_id: str, position: int, held: int):
+        self.session_id, self.position, self.held = session_id, position, held
+        super().__init__(
+            f"session {session_id!r}: request is at position {position} but the service "
+            f"holds only {held} tokens"
+        )
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecdecError):
+    """Try again later or elsewhere (e.g. the model is still loading)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Draining(Unavailable):
+    """The server is shutting down and takes no new work."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: SessionNotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message an exception is answered with."""
+    if isinstance(exc, SpecdecError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """Client side: a failed call's code and details (UNKNOWN and the error's
+    text for an RpcError that carries neither)."""
+    try:
+        return err.code(), err.details() or ""
+    except Exception:  # noqa: BLE001 -- not a call's error
+        return grpc.StatusCode.UNKNOWN, str(err)
+
+
+# Trailing metadata on every status a specdec server sends on purpose: the error's
+# type. A caller tells a service's own refusal (UNAVAILABLE "shutting down") from a
+# transport failure (UNAVAILABLE "failed to connect") by it.
+ERROR_TYPE_KEY = "specdec-error"
+
+
+def raised_by_server(err: grpc.RpcError) -> str | None:
+    """Client side: the error type a specdec server answered with, or None when
+    the status did not come from one (a connection failure, a deadline)."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 -- not a call's error
+        return None
+    return next((value for key, value in metadata if key == ERROR_TYPE_KEY), None)
+
+
+def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
+    """Client side: the typed error for a failed call (the caller re-raises it).
+    ``PositionMismatch`` comes back as its base ``FailedPrecondition``."""
+    code, details = rpc_status(err)
+    cls = _BY_CODE.get(code, SpecdecError)
+    out = cls(details or code.name)
+    if cls is SpecdecError:
+        out.code = code
+    return out
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Answers every exception escaping a handler with the status from
+    :func:`status_for` (:func:`answer_failure`). Wraps unary and
+    server-streaming handlers (the only kinds specdec serves); other kinds pass
+    through untouched. :class:`specdec.telemetry.observe.ServerObserver` extends it, so
+    that a traced server wraps each call once, not twice."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def answer_failure(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    """What every specdec server does with an exception leaving a handler: end
+    the call with its status from :func:`status_for` (this raises
+    ``grpc.aio.AbortError``) and log it, with the traceback if it is a bug
+    (INTERNAL). A deliberate abort, a cancellation or shutdown is left as it is
+    (this returns; re-raise it)."""
+    if not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
+        return
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed: %s", method, message, exc_info=exc)
+    else:
+        log.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message, trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__),))
+
+
+def _wrap_unary(behavior, method: str):
+    async def unary(request, context):
+        try:
+            return await behavior(request, context)
+        except BaseException as exc:
+            await answer_failure(context, exc, method)
+            raise
+
+    return unary
+
+
+def _wrap_stream(behavior, method: str):
+    if not inspect.isasyncgenfunction(behavior):  # a coroutine using context.write()
+        return _wrap_unary(behavior, method)
+
+    async def stream(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except BaseException as exc:
+            await answer_failure(context, exc, method)
+            raise
+
+    return stream

@@ -1,0 +1,413 @@
+"""What the draft and target services share: one model behind a single-worker
+executor, the session store, request validation, timings, ModelInfo/EndSession,
+command-line flags and the process entry point.
+
+The servicers in ``draft_service/`` and ``target_service/`` only say what their
+RPC does (decode -> :func:`specdec.models.local.draft_tokens` / ``verify_drafts`` ->
+encode); everything else is here, written once.
+
+Why a single-worker executor: forward passes are long, blocking calls. Running
+them on the event loop would freeze health checks and every other session; a
+pool of several workers would run two passes on one device at once for no gain.
+One worker per model serialises the device and leaves the loop free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import pathlib
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from specdec.serving import convert as pc
+from specdec.serving.config import ServiceConfig
+from specdec.serving.errors import Draining, InvalidRequest, Unavailable
+from specdec.telemetry.metrics import ServiceMetrics
+from specdec.models.runner import ModelRunner, Sequence
+from specdec.proto import specdec_pb2 as pb
+from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.serving.service_cli import config_from_args
+from specdec.serving.server import (
+    DRAFT_SERVICE,
+    TARGET_SERVICE,
+    GrpcServer,
+    bind_or_close,
+    freeze_startup_objects,
+    serve_until_signal,
+    setup_logging,
+)
+from specdec.serving.sessions import SessionStore
+from specdec.telemetry.observe import ServiceTelemetry, setup_from_args
+from specdec.serving.timing import ServerTiming
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = {"draft": DRAFT_SERVICE, "target": TARGET_SERVICE}
+# A session with a call this recent is taken to be in the middle of a generation
+# (its calls come one round apart: milliseconds, or a few round trips).
+GENERATION_GAP_S = 2.0
+
+
+class ModelHost:
+    """One model on one device, serving many sessions."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role}-model")
+        self.runner: ModelRunner | None = None
+        self.sessions: SessionStore[Sequence] | None = None
+        self.draining = False
+        self.metrics: ServiceMetrics | None = None  # what the servicers count beyond the RPCs
+        # A session's state in this model, and how many tokens it holds (what
+        # --max-cached-tokens bounds); the draft's servicer sets its own.
+        self.new_state: Callable[[ModelRunner], Any] = ModelRunner.new_sequence
+        self.state_size: Callable[[Any], int] = lambda seq: len(seq.tokens)
+        self._sweeper: asyncio.Future | None = None
+        # Calls' jobs handed to the executor (background work yields to them);
+        # written on the event loop thread, read on the worker.
+        self._calls_submitted = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def load(self, runner: ModelRunner | None = None) -> None:
+        """Load the model on the executor (the event loop keeps answering health
+        checks meanwhile), then open the session store."""
+        if runner is None:
+            cfg = self.config
+            lean = cfg.role == "draft" and cfg.lean_forward
+            runner = await asyncio.get_running_loop().run_in_executor(
+                self.executor, functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=lean)
+            )
+        self.sessions = SessionStore(
+            functools.partial(self.new_state, runner),
+            max_sessions=self.config.max_sessions,
+            max_cached_tokens=self.config.max_cached_tokens,
+            ttl_s=self.config.session_ttl_s,
+            size=self.state_size,
+        )
+        self.runner = runner
+        self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        """Expire idle sessions even when no call arrives to trigger it."""
+        period = max(0.5, min(self.config.session_ttl_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            self.sessions.sweep()
+
+    def close(self) -> None:
+        self.draining = True  # background work stops at its next step
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None
+
+    def require_ready(self) -> ModelRunner:
+        if self.draining:
+            raise Draining(f"the {self.config.role} service is shutting down")
+        if self.runner is None:
+            raise Unavailable(f"the {self.config.role} service is still loading its model")
+        return self.runner
+
+    # ------------------------------------------------------------------ running model work
+
+    async def run(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the model's executor and add to ``timing`` how long
+        it queued, how long it computed (copies timed by :meth:`to_device` /
+        :meth:`to_host` excluded) and how many tokens went through the model."""
+        submitted = time.perf_counter()
+        self._calls_submitted += 1
+
+        def job():
+            timing.queue_s += time.perf_counter() - submitted
+            return self._timed(timing, fn, *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+
+    def _timed(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the worker thread; adds its compute time (copies
+        excluded) and the tokens it ran through the model to ``timing``."""
+        start = time.perf_counter()
+        copy_before, tokens_before = timing.copy_s, self._tokens_run()
+        try:
+            return fn(*args)
+        finally:
+            self._synchronize()
+            elapsed = time.perf_counter() - start
+            timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
+            timing.computed_tokens += self._tokens_run() - tokens_before
+
+    def _tokens_run(self) -> int:
+        return self.runner.tokens_run if self.runner is not None else 0
+
+    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args, timing, stop)`` on the model's executor, for work no
+        call waits for (drafting ahead). ``stop()`` turns true once a call's work
+        is queued behind it or the service drains; ``fn`` should then return
+        within a step. Its compute, copies (``fn`` times them into ``timing``) and
+        tokens go into the metrics like a call's: the device's load includes it.
+        Failures are logged: they must not affect any call."""
+        if self.draining:
+            return
+        since = self._calls_submitted
+
+        def stop() -> bool:
+            return self._calls_submitted != since or self.draining
+
+        def job():
+            timing = ServerTiming()
+            try:
+                self._timed(timing, fn, *args, timing, stop)
+            except Exception:  # noqa: BLE001
+                log.exception("background work on the %s model failed", self.config.role)
+            if self.metrics is not None:
+                self.metrics.observe_timing(timing)
+
+        with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
+            self.executor.submit(job)
+
+    def _synchronize(self) -> None:
+        device = self.runner.device if self.runner is not None else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _copy(self, q, device: torch.device, timing: ServerTiming):
+        if q is None or _device_of(q) == device:
+            return q
+        self._synchronize()  # do not bill pending compute to the copy
+        start = time.perf_counter()
+        if isinstance(q, SparseDist):
+            out = SparseDist(ids=q.ids.to(device), probs=q.probs.to(device))
+        else:
+            out = q.to(device)
+        self._synchronize()
+        timing.copy_s += time.perf_counter() - start
+        return out
+
+    def to_device(self, q, timing: ServerTiming):
+        """A distribution moved host -> model device, timed as copy (worker thread)."""
+        return self._copy(q, self.runner.device, timing)
+
+    def to_host(self, q, timing: ServerTiming):
+        """A distribution moved model device -> host, timed as copy (worker thread)."""
+        return self._copy(q, torch.device("cpu"), timing)
+
+    # ------------------------------------------------------------------ validation
+
+    def check_round(
+        self,
+        session_id: str,
+        position: int,
+        new_tokens: Iterable[int],
+        sampling: pb.SamplingParams,
+        *,
+        gamma: int,
+        gamma_field: str = "gamma",
+    ) -> SamplingParams:
+        """Validate what every round request carries; return its sampling params.
+
+        ``gamma`` is how many tokens the call adds after ``new_tokens`` (drafted
+        here, or drafts to verify)."""
+        runner = self.require_ready()
+        if not session_id:
+            raise InvalidRequest("session_id is empty")
+        if not 0 <= gamma <= self.config.gamma_max:
+            raise InvalidRequest(f"{gamma_field} {gamma} is out of range [0, {self.config.gamma_max}]")
+        new_tokens = list(new_tokens)
+        self.check_vocab(new_tokens, "new_tokens")
+        total = position + len(new_tokens) + gamma
+        if total > runner.max_context:
+            raise InvalidRequest(
+                f"sequence of {total} tokens (position {position} + {len(new_tokens)} new_tokens + "
+                f"{gamma} {gamma_field}) exceeds the model context of {runner.max_context}"
+            )
+        if position + len(new_tokens) == 0:
+            raise InvalidRequest("nothing to run: position is 0 and new_tokens is empty (empty prompt?)")
+        params = pc.sampling_from_proto(sampling)
+        if not params.greedy and params.seed is None:
+            raise InvalidRequest("sampling.seed is required when temperature > 0 (both services derive "
+                                 "their random draws from it)")
+        return params
+
+    def check_vocab(self, tokens: list[int], what: str) -> None:
+        try:
+            self.runner.check_tokens(tokens, what)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def session(self, session_id: str, position: int, reserve: int):
+        """The session store's context manager (see :meth:`SessionStore.open`)."""
+        return self.sessions.open(session_id, position, reserve=reserve)
+
+    # ------------------------------------------------------------------ shared RPCs
+
+    def model_info(self) -> pb.ModelInfo:
+        runner = self.require_ready()
+        stats = self.sessions.stats()
+        return pb.ModelInfo(
+            model_name=runner.name,
+            vocab_size=runner.vocab_size,
+            vocab_fingerprint=runner.fingerprint,
+            max_context=runner.max_context,
+            eos_token_ids=sorted(runner.eos_token_ids),
+            device=str(runner.device),
+            active_sessions=stats.active_sessions,
+            cached_tokens=stats.cached_tokens,
+            gamma_max=self.config.gamma_max,
+        )
+
+    def end_session(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:
+        self.require_ready()
+        if not request.session_id:
+            raise InvalidRequest("session_id is empty")
+        return pb.EndSessionResponse(existed=self.sessions.end(request.session_id))
+
+
+def _device_of(q):
+    if q is None:
+        return None
+    return q.probs.device if isinstance(q, SparseDist) else q.device
+
+
+def sampling_key(sampling: pb.SamplingParams) -> bytes:
+    """Sampling params as bytes, for a round's request key (see Session.replay)."""
+    return sampling.SerializeToString(deterministic=True)
+
+
+# ====================================================================== process entry
+
+
+@dataclasses.dataclass
+class RunningService:
+    """A started model service (for ``run`` below, ``specdec serve`` and tests)."""
+
+    server: GrpcServer
+    host: ModelHost
+    port: int
+    telemetry: ServiceTelemetry | None = None
+
+    async def finish_generations(self, within_s: float, gap_s: float = GENERATION_GAP_S) -> None:
+        """On SIGTERM, before the server stops taking calls: health NOT_SERVING,
+        no new sessions (refused UNAVAILABLE), and up to ``within_s`` seconds for
+        the generations going through this service to end, i.e. until no session
+        it holds has had a call for ``gap_s``. A generation is many calls, so
+        finishing only the calls in flight would cut every stream in a rolling
+        restart."""
+        await self.server.stop_serving()
+        sessions = self.host.sessions
+        if sessions is None:  # still loading: nothing in flight
+            return
+        sessions.accept_new = False
+        deadline = time.monotonic() + within_s
+        if sessions.quiet_for() < gap_s:
+            log.info("%s service: finishing the generations in flight (up to %.0f s)", self.host.config.role, within_s)
+        while sessions.quiet_for() < gap_s and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        self.host.draining = True
+        if grace_s is None:
+            await self.server.stop()
+        else:
+            await self.server.drain(grace_s)
+        self.host.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+
+
+async def start_model_service(
+    config: ServiceConfig,
+    add_servicer: Callable[[ModelHost, Any], None],
+    *,
+    runner: ModelRunner | None = None,
+    wait_loaded: bool = True,
+    telemetry: ServiceTelemetry | None = None,
+    freeze_after_load: bool = False,
+) -> tuple[RunningService, asyncio.Task]:
+    """Listen first (health NOT_SERVING), load the model off the event loop, then
+    report SERVING. Returns the service and the loading task (already finished
+    when ``wait_loaded``). ``runner`` skips loading (an already-loaded model).
+    ``telemetry`` adds tracing/metrics interceptors and the ``/metrics`` endpoint;
+    ``freeze_after_load``: the process's objects are frozen once the model is
+    loaded (:func:`specdec.serving.server.freeze_startup_objects`; service processes only)."""
+    host = ModelHost(config)
+    if telemetry is not None and isinstance(telemetry.metrics, ServiceMetrics):
+        host.metrics = telemetry.metrics
+    if telemetry is not None:  # first: a busy metrics port fails before anything listens
+        telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
+    server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
+                        interceptors=telemetry.server_interceptors() if telemetry else ())
+    add_servicer(host, server.server)
+    port = await bind_or_close(server, config.host, config.port, telemetry)
+    await server.start()
+    log.info("%s service listening on %s:%d (loading model %s on %s)",
+             config.role, config.host, port, runner.path if runner else config.model_path(), config.device)
+
+    async def load():
+        try:
+            await host.load(runner)
+        except BaseException:
+            await server.stop()
+            host.close()
+            raise
+        if freeze_after_load:
+            freeze_startup_objects(f"{config.role} service")
+        await server.set_serving(True)
+        r = host.runner
+        log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
+                 config.role, r.path, r.vocab_size, r.max_context, config.dtype, r.device, config.host, port)
+
+    task = asyncio.ensure_future(load())
+    if wait_loaded:
+        await task
+    return RunningService(server, host, port, telemetry), task
+
+
+def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[ModelHost, Any], None]) -> int:
+    """``specdec draft-service`` / ``target-service``: serve until SIGTERM, drain, exit 0."""
+    config = config_from_args(args, role)
+    setup_logging(config.log_level)
+    telemetry = setup_from_args(args, role)
+    model = pathlib.Path(config.model_path())
+    if not (model / "config.json").is_file():  # fail before listening, with a hint
+        hint = "" if config.model else f" (the bundled {role} model is missing: pass --model DIR)"
+        raise ValueError(f"{model} is not a model directory (no config.json){hint}")
+
+    async def main() -> int:
+        service, loading = await start_model_service(config, add_servicer, wait_loaded=False, telemetry=telemetry,
+                                                     freeze_after_load=True)
+        try:
+            # A signal during loading drains too; a failed load ends the process.
+            await serve_until_signal(service.server, config.drain_grace_s, stop=_failed(loading),
+                                     before_drain=service.finish_generations)
+        finally:
+            service.host.close()
+        if loading.done() and not loading.cancelled() and loading.exception() is not None:
+            e = loading.exception()
+            log.error("could not load the %s model from %s: %s: %s", role, model, type(e).__name__, e)
+            return 1
+        loading.cancel()
+        log.info("%s service exited cleanly", role)
+        return 0
+
+    return asyncio.run(main())
+
+
+async def _failed(task: asyncio.Task) -> None:
+    """Completes only if ``task`` fails (its success must not stop the server)."""
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        return
+    await asyncio.Event().wait()  # loaded fine: wait forever (until cancelled)
