@@ -790,3 +790,10 @@ def setup_from_args(args: argparse.Namespace, role: str, environ: Mapping[str, s
     if not 0 <= port <= 65535:
         raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
     return ServiceTelemetry.for_role(role, port)
+
+
+def start_telemetry(role: str, trace_file: str | None = None, metrics_port: int = 0) -> ServiceTelemetry:
+    """At process start: tracing from ``trace_file`` and the ``OTEL_*``
+    variables, and metrics objects when ``metrics_port`` will serve them."""
+    tracing.setup_tracing(f"specdec-{role}", trace_file)
+    return ServiceTelemetry.for_role(role, metrics_port)
