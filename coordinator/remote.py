@@ -26,7 +26,7 @@ import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
 from specdec.serving import errors, convert as conv
 from specdec.serving.server import DRAFT_SERVICE, TARGET_SERVICE
-from specdec.telemetry.observe import ClientCalls, RpcRecord
+from specdec.telemetry.calls import ClientCalls, RpcRecord
 from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.core.interfaces import DraftToken, SessionState
 from specdec.core.sampling import SamplingParams
@@ -145,7 +145,7 @@ def _details(e: grpc.RpcError) -> str:
 @dataclasses.dataclass
 class SideStats:
     """What one service did for one request: its calls as the coordinator saw
-    them, each with the service's own account (:class:`specdec.telemetry.observe.RpcRecord`)."""
+    them, each with the service's own account (:class:`specdec.telemetry.calls.RpcRecord`)."""
 
     prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
     refills: int = 0  # calls repeated from position 0 after NOT_FOUND
@@ -231,8 +231,6 @@ class RemoteProposer:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
                     messages = self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
                                                         metadata=call.metadata)
-                    # The draft computes: the last round's telemetry now, not billed to this call.
-                    started += call.while_waiting()
                     for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete

@@ -33,3 +33,29 @@ def tiny_pair(tmp_path_factory):
     close = make_noisy_copy(target, root / "close", noise=0.02, seed=2)
     far = make_tiny_llama(root / "far", layers=1, seed=7, logit_scale=20)
     return target, close, far
+
+
+@pytest.fixture
+def provider():
+    """A global tracer provider for one test, exporting to memory (``provider.memory``);
+    removed afterwards. OpenTelemetry allows one global provider per process, so
+    tests swap it the way OpenTelemetry's own test utilities do."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.util._once import Once
+
+    def reset() -> None:
+        trace._TRACER_PROVIDER_SET_ONCE = Once()
+        trace._TRACER_PROVIDER = None
+
+    reset()
+    p = TracerProvider(resource=Resource.create({"service.name": "specdec-test"}))
+    p.memory = InMemorySpanExporter()
+    p.add_span_processor(SimpleSpanProcessor(p.memory))
+    trace.set_tracer_provider(p)
+    yield p
+    p.shutdown()
+    reset()

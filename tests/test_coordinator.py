@@ -16,7 +16,9 @@ import grpc
 import pytest
 
 from coordinator.directory import InMemoryDirectory, SessionRecord
-from coordinator.engine import Coordinator, Delta, GenerateJob, parse_gamma_policy
+from coordinator.engine import Coordinator
+from coordinator.learned_gamma import regime
+from coordinator.requests import Delta, GenerateJob, parse_gamma_policy
 from specdec.serving.stats import GenerationStats as Stats
 from specdec.core.text import TextStream
 from specdec.serving import errors
@@ -470,7 +472,7 @@ def restartable():
     def restart_target(fake: FakeTarget) -> None:
         servers.pop().stop(None)
         deadline = time.monotonic() + 10
-        while engine._pair is not None:  # the channel's connectivity watch forgets the pair
+        while engine.pairs.known is not None:  # the channel's connectivity watch forgets the pair
             assert time.monotonic() < deadline, "the engine did not notice the connection drop"
             time.sleep(0.05)
         servers.append(_serve(fake, pb_grpc.add_TargetServiceServicer_to_server, target_port)[0])
@@ -615,19 +617,21 @@ def test_directory_stores_copies():
     assert small.get("y") is None and small.get("x") is not None and len(small) == 2
 
 
-def test_coordinator_flags_fall_back_to_the_environment(capsys):
+def test_coordinator_flags_fall_back_to_the_environment(capsys, monkeypatch):
     import argparse
 
-    from coordinator.server import add_arguments, config_from_args
+    from coordinator.server import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    env = {"SPECDEC_COORDINATOR_DRAFT": "d:1", "SPECDEC_GAMMA_MAX": "8", "SPECDEC_COORDINATOR_PORT": "7"}
+    for name, value in {"SPECDEC_COORDINATOR_DRAFT": "d:1", "SPECDEC_GAMMA_MAX": "8",
+                        "SPECDEC_COORDINATOR_PORT": "7"}.items():
+        monkeypatch.setenv(name, value)
     args = parser.parse_args(["--target", "t:2", "--max-new-tokens-cap", "99"])
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    cfg = CoordinatorConfig.load(overrides, environ=env)
+    cfg = CoordinatorConfig.load(vars(args))
     assert (cfg.draft, cfg.target, cfg.gamma_max, cfg.port, cfg.max_new_tokens_cap) == ("d:1", "t:2", 8, 7, 99)
-    assert config_from_args(parser.parse_args([])).port == 50051  # the real environment sets none
+    monkeypatch.delenv("SPECDEC_COORDINATOR_PORT")
+    assert CoordinatorConfig.load(vars(parser.parse_args([]))).port == 50051
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     assert "SPECDEC_COORDINATOR_DRAFT" in capsys.readouterr().out
@@ -646,9 +650,13 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
         greedy = GenerateJob(prompt_ids=(1,), gamma_policy="adaptive")
         sampled = GenerateJob(prompt_ids=(1,), sampling=SamplingParams(temperature=0.8, seed=1))
         learned = parse_gamma_policy("adaptive", engine.config.gamma_max)
+
+        def key(job):
+            return regime(job.sampling, job.draft_top_k)
+
         for _ in range(20):
             learned.observe(RoundResult([1, 2, 3, 4, 5], 4, 4, 0.01, 0.01, None, 0.004))
-        engine._remember(learned, greedy)
+        engine.learned.remember(learned, key(greedy))
 
         def fresh():
             return parse_gamma_policy("adaptive", engine.config.gamma_max)
@@ -657,14 +665,14 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
             return (policy.cost() == teacher.cost()
                     and fresh().alphas()[0] < policy.alphas()[0] <= teacher.alphas()[0])
 
-        started = engine._warm_start(fresh(), greedy)
+        started = engine.learned.warm_start(fresh(), key(greedy))
         assert started is not learned and learned_from(started, learned)
-        assert engine._warm_start(fresh(), sampled).cost() is None  # nothing learnt for sampling yet
-        engine._remember(learned, sampled)
+        assert engine.learned.warm_start(fresh(), key(sampled)).cost() is None  # nothing learnt for sampling yet
+        engine.learned.remember(learned, key(sampled))
         other_seed = dataclasses.replace(sampled, sampling=SamplingParams(temperature=0.8, seed=2))
-        assert learned_from(engine._warm_start(fresh(), other_seed), learned)
+        assert learned_from(engine.learned.warm_start(fresh(), key(other_seed)), learned)
         hotter = dataclasses.replace(sampled, sampling=SamplingParams(temperature=1.0, seed=1))
-        assert engine._warm_start(fresh(), hotter).cost() is None
+        assert engine.learned.warm_start(fresh(), key(hotter)).cost() is None
     finally:
         engine.close()
 
@@ -675,10 +683,13 @@ def test_the_first_request_teaches_the_next_ones_nothing(fakes):
     _, _, make_engine = fakes
     engine = make_engine()
     run(engine, prompt_ids=[1, 2, 3], max_new_tokens=12, gamma_policy="adaptive")
-    assert engine._learned_adaptive == {}
+
+    def warm_start():
+        return engine.learned.warm_start(parse_gamma_policy("adaptive", engine.config.gamma_max), ("greedy",))
+
+    assert warm_start().cost() is None
     run(engine, prompt_ids=[1, 2, 3], max_new_tokens=12, gamma_policy="adaptive")
-    (learned,) = engine._learned_adaptive.values()
-    assert learned.cost() is not None
+    assert warm_start().cost() is not None
 
 
 def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_path):

@@ -1,8 +1,9 @@
 """Typed errors and the one place they become gRPC status codes.
 
 Service code raises plain Python exceptions that say what went wrong
-(``SessionNotFound("session 'abc' is not held ...")``); :class:`ErrorInterceptor`
-turns them into a status code plus that message on the wire. Nothing in a
+(``SessionNotFound("session 'abc' is not held ...")``); the server's one
+interceptor (:mod:`specdec.serving.interceptor`) turns them into a status code
+plus that message on the wire. Nothing in a
 servicer calls ``context.abort`` by hand, so every service answers the same way:
 
 ==========================  =====================
@@ -25,12 +26,7 @@ the coordinator can write ``except SessionNotFound:`` around a service call.
 
 from __future__ import annotations
 
-import inspect
-import logging
-
 import grpc
-
-log = logging.getLogger(__name__)
 
 
 class SpecdecError(Exception):
@@ -142,70 +138,3 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     if cls is SpecdecError:
         out.code = code
     return out
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Answers every exception escaping a handler with the status from
-    :func:`status_for` (:func:`answer_failure`). Wraps unary and
-    server-streaming handlers (the only kinds specdec serves); other kinds pass
-    through untouched. :class:`specdec.telemetry.observe.ServerObserver` extends it, so
-    that a traced server wraps each call once, not twice."""
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
-            return handler
-        method = handler_call_details.method
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, method),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-async def answer_failure(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    """What every specdec server does with an exception leaving a handler: end
-    the call with its status from :func:`status_for` (this raises
-    ``grpc.aio.AbortError``) and log it, with the traceback if it is a bug
-    (INTERNAL). A deliberate abort, a cancellation or shutdown is left as it is
-    (this returns; re-raise it)."""
-    if not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
-        return
-    code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("%s failed: %s", method, message, exc_info=exc)
-    else:
-        log.info("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message, trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__),))
-
-
-def _wrap_unary(behavior, method: str):
-    async def unary(request, context):
-        try:
-            return await behavior(request, context)
-        except BaseException as exc:
-            await answer_failure(context, exc, method)
-            raise
-
-    return unary
-
-
-def _wrap_stream(behavior, method: str):
-    if not inspect.isasyncgenfunction(behavior):  # a coroutine using context.write()
-        return _wrap_unary(behavior, method)
-
-    async def stream(request, context):
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except BaseException as exc:
-            await answer_failure(context, exc, method)
-            raise
-
-    return stream

@@ -4,9 +4,8 @@
 besides its own servicer:
 
 * message size limits large enough for dense distributions (configurable);
-* :class:`specdec.serving.errors.ErrorInterceptor`, so handlers just raise (or, when
-  tracing or metrics are on, :class:`specdec.telemetry.observe.ServerObserver`, which
-  maps errors the same way);
+* the one interceptor (:class:`specdec.serving.interceptor.ServiceInterceptor`):
+  handlers just raise, and every call is traced and counted;
 * the standard health service: NOT_SERVING from start until :meth:`set_serving`
   (i.e. until the model is loaded) and again while draining;
 * server reflection (``grpcurl`` can list and call the services);
@@ -37,7 +36,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.serving.errors import ErrorInterceptor
+from specdec.serving.interceptor import ServiceInterceptor
+from specdec.telemetry.metrics import RpcMetrics
 
 log = logging.getLogger(__name__)
 
@@ -84,26 +84,14 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class GrpcServer:
-    """A grpc.aio server with health, reflection, the error interceptor and limits.
+    """A grpc.aio server with health, reflection, the one interceptor and limits.
+    ``metrics``: the service's RPC metrics (None: not counted)."""
 
-    ``interceptors`` run in order; unless one of them is an ``ErrorInterceptor``
-    (the telemetry's ``ServerObserver`` is one), a plain ``ErrorInterceptor``
-    goes first, so every server maps exceptions to status codes."""
-
-    def __init__(
-        self,
-        service_names: Sequence[str],
-        *,
-        max_message_bytes: int = 64 << 20,
-        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    ):
+    def __init__(self, service_names: Sequence[str], *, max_message_bytes: int = 64 << 20,
+                 metrics: RpcMetrics | None = None):
         self.service_names = list(service_names)
-        interceptors = list(interceptors)
-        if not any(isinstance(i, ErrorInterceptor) for i in interceptors):  # one of them may map errors itself
-            interceptors.insert(0, ErrorInterceptor())
-        self.interceptors = interceptors
         self.server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[ServiceInterceptor(metrics)],
             options=[
                 *channel_options(max_message_bytes),
                 # Fail loudly if the port is taken, instead of sharing it silently.

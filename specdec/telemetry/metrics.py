@@ -152,15 +152,15 @@ class ServiceMetrics(RpcMetrics):
             "specdec_draft_ahead_tokens", "Drafts made ahead while the target verified, after the guess at its "
             "token (outcome=made), and those a later Propose streamed without running the model (outcome=reused).",
             ["service", "outcome"], registry=r)
-        self._sessions_watched = False
+        self.sessions_watched = False
         if sessions is not None:
             self.watch_sessions(sessions)
 
     def watch_sessions(self, sessions: Callable[[], object | None]) -> None:
         """Export the session store's gauges, read from ``sessions()`` at scrape time."""
-        if not self._sessions_watched:
+        if not self.sessions_watched:
             self.registry.register(_SessionCollector(self.service, sessions))
-            self._sessions_watched = True
+            self.sessions_watched = True
 
     def observe_timing(self, timing) -> None:
         """A ServerTiming (protobuf or dataclass) the service reported."""
@@ -189,7 +189,7 @@ class _SessionCollector:
         self.service, self.stats = service, stats
 
     def describe(self) -> Iterable:
-        return self._families(None)
+        return self.families(None)
 
     def collect(self) -> Iterable:
         try:
@@ -197,9 +197,9 @@ class _SessionCollector:
         except Exception:  # a scrape must never take the service down
             log.exception("reading session stats for /metrics failed")
             stats = None
-        return self._families(stats)
+        return self.families(stats)
 
-    def _families(self, stats) -> list:
+    def families(self, stats) -> list:
         def value(name):
             return float(getattr(stats, name)) if stats is not None else 0.0
 

@@ -24,14 +24,14 @@ import pathlib
 import sys
 from typing import Iterable
 
-from specdec.telemetry.tracing import (
+from specdec.telemetry.observer import (
     GEN_AI_CONVERSATION,
     GEN_AI_INPUT_TOKENS,
     GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
     GEN_AI_REQUEST_MODEL,
-    read_spans,
 )
+from specdec.telemetry.trace_file import read_spans
 
 ROUND_SPAN = "specdec.round"
 
@@ -98,7 +98,7 @@ def _round(span: dict) -> Round:
     phases = {name: float(fn(a)) for name, _, fn in PHASES}
     wall = a.get("specdec.round_s", (span["end_ns"] - span["start_ns"]) / 1e9)
     return Round(
-        index=int(a.get("specdec.round", 0)), gamma=int(a.get("specdec.core.gamma", 0)),
+        index=int(a.get("specdec.round", 0)), gamma=int(a.get("specdec.gamma", 0)),
         accepted=int(a.get("specdec.accepted", 0)), tokens=int(a.get("specdec.tokens", 0)),
         # The phases split the wall time (the coordinator's share is the remainder),
         # so they add up to it; max() keeps shares <= 100% whatever a file holds.

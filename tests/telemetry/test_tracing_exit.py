@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specdec.telemetry import tracing
+from specdec.telemetry import export, tracing
 
 
 class StuckExporter:
@@ -42,7 +42,7 @@ def exit_with(inner, spans: int, flush_s: float, caplog, local=None) -> float:
     """Spans through batch processors into ``local`` (a trace file, say) and the
     remote ``inner``, in that order as setup_tracing adds them, then the exit;
     its seconds."""
-    exporter = tracing.StoppableExporter(inner)
+    exporter = export.StoppableExporter(inner)
     provider = TracerProvider(shutdown_on_exit=False)
     if local is not None:
         provider.add_span_processor(BatchSpanProcessor(local))
@@ -50,8 +50,8 @@ def exit_with(inner, spans: int, flush_s: float, caplog, local=None) -> float:
     for _ in range(spans):
         provider.get_tracer("t").start_span("s").end()
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="specdec.telemetry.tracing"):
-        tracing.shutdown_tracing(provider, [exporter], flush_s=flush_s)
+    with caplog.at_level(logging.WARNING, logger="specdec.telemetry.export"):
+        export.shutdown_tracing(provider, [exporter], flush_s=flush_s)
     return time.monotonic() - start
 
 
@@ -85,7 +85,7 @@ def test_exit_exports_everything_when_the_collector_answers(caplog):
 
 def test_export_messages_are_let_through_once_a_minute_per_kind():
     now = [0.0]
-    limit = tracing.RateLimitFilter(60, clock=lambda: now[0])
+    limit = export.RateLimitFilter(60, clock=lambda: now[0])
 
     def record(level=logging.WARNING, name="opentelemetry.exporter.otlp.proto.grpc.exporter"):
         return logging.LogRecord(name, level, __file__, 1, "Transient error %s", ("UNAVAILABLE",), None)
@@ -112,7 +112,7 @@ def test_a_service_process_exits_promptly_with_its_collector_down():
     script = textwrap.dedent(f"""
         import logging, time
         logging.basicConfig(level=logging.INFO)
-        from specdec.telemetry import tracing
+        from specdec.telemetry import export, tracing
         tracing.setup_tracing("specdec-test", environ={{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:{port}"}})
         for _ in range(20):
             tracing.tracer().start_span("s").end()
@@ -122,6 +122,6 @@ def test_a_service_process_exits_promptly_with_its_collector_down():
     exited = time.monotonic()
     assert done.returncode == 0, done.stderr
     started_exit = float(done.stdout.split("EXITING", 1)[1].split()[0])
-    assert exited - started_exit < tracing.EXIT_FLUSH_S + 4, done.stderr  # the SDK's own exit: ~10 s
+    assert exited - started_exit < export.EXIT_FLUSH_S + 4, done.stderr  # the SDK's own exit: ~10 s
     exporter_lines = [line for line in done.stderr.splitlines() if "opentelemetry.exporter" in line]
     assert len(exporter_lines) <= 2, done.stderr

@@ -1,0 +1,174 @@
+"""The one server interceptor of every specdec service: errors, tracing and
+RPC metrics around each call, in one wrapper.
+
+* **Errors.** Handlers just raise; an exception leaving one is answered with
+  its status from :func:`specdec.serving.errors.status_for` and its message,
+  plus trailing metadata naming the error type (so a caller can tell a
+  service's own refusal from a transport failure), and logged — with the
+  traceback if it is a bug (INTERNAL).
+* **Tracing.** A SERVER span per call, child of the caller's W3C context
+  (:mod:`specdec.telemetry.server_spans`), current while the handler runs (the
+  coordinator's Generate span is its child), with the reply's ServerTiming and
+  the status code.
+* **Metrics.** Latency and errors by code; on a model service also its model
+  work (the reply's ServerTiming), drafts proposed, drafts verified and accepted.
+
+It wraps unary and server-streaming handlers, the only kinds specdec serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import time
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from specdec.serving.errors import ERROR_TYPE_KEY, status_for
+from specdec.telemetry import tracing
+from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
+from specdec.telemetry.server_spans import record_timing, start_server_span
+
+log = logging.getLogger(__name__)
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: RpcMetrics | None = None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+            # A coroutine that writes its replies with context.write() (health's Watch) is wrapped as unary.
+            wrap = self._stream if inspect.isasyncgenfunction(behavior) else self._unary
+            return grpc.unary_stream_rpc_method_handler(
+                wrap(behavior, method), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, method), request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+    def _unary(self, behavior, full_method: str):
+        async def unary(request, context):
+            call = _Call(self.metrics, full_method)
+            try:
+                call.start_span(context)
+                response = await behavior(request, context)
+                call.answered(request, _timing(response), 1, response)
+                return response
+            except BaseException as exc:
+                await call.failed(exc, context)
+                raise
+            finally:
+                call.end()
+
+        return unary
+
+    def _stream(self, behavior, full_method: str):
+        async def stream(request, context):
+            call = _Call(self.metrics, full_method)
+            count, timing = 0, None
+            try:
+                call.start_span(context)
+                async for message in behavior(request, context):
+                    count += 1
+                    timing = _timing(message) or timing
+                    yield message
+                call.answered(request, timing, count, None)
+            except BaseException as exc:
+                await call.failed(exc, context)
+                raise
+            finally:
+                call.end()
+
+        return stream
+
+
+class _Call:
+    """One call going through the interceptor."""
+
+    def __init__(self, metrics: RpcMetrics | None, full_method: str):
+        self.metrics, self.full_method = metrics, full_method
+        self.method = full_method.rsplit("/", 1)[-1]
+        self.start = time.perf_counter()
+        self.span, self.token = trace.INVALID_SPAN, None
+
+    def start_span(self, context) -> None:
+        """The SERVER span, made current while the handler runs (when tracing is on)."""
+        if tracing.enabled():
+            self.span = start_server_span(self.full_method, context.invocation_metadata(), context.peer())
+            self.token = otel_context.attach(trace.set_span_in_context(self.span))
+
+    def answered(self, request, timing, count: int, response) -> None:
+        """``timing``: the reply's ServerTiming (None if it has none); ``count``
+        the messages sent; ``response`` the reply of a unary call."""
+        if timing is not None:
+            record_timing(self.span, timing)
+        if isinstance(self.metrics, ServiceMetrics):
+            if timing is not None:
+                self.metrics.observe_timing(timing)
+            if self.method == "Propose":
+                self.metrics.observe_proposed(count)
+            elif self.method == "Verify":
+                self.metrics.observe_verified(len(request.draft_tokens), response.accepted)
+        self._count(None)
+
+    async def failed(self, exc: BaseException, context) -> None:
+        """Answer ``exc`` with its status (unless it is a deliberate abort, a
+        cancellation or shutdown), and record it."""
+        if isinstance(exc, grpc.aio.AbortError):  # aborted on purpose: the code is on the context
+            code = context.code() or grpc.StatusCode.UNKNOWN
+        elif isinstance(exc, Exception):
+            code, message = status_for(exc)
+        else:  # cancelled by the client (CancelledError), or shutdown
+            code = grpc.StatusCode.CANCELLED
+        if self.span.is_recording():
+            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+            self.span.set_status(Status(StatusCode.ERROR, f"{code.name}: {exc}"))
+            if code == grpc.StatusCode.INTERNAL:  # a bug, not a bad request: keep the traceback
+                self.span.record_exception(exc)
+        self._count(code.name)
+        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("%s failed: %s", self.full_method, message, exc_info=exc)
+            else:
+                log.info("%s -> %s: %s", self.full_method, code.name, message)
+            await context.abort(code, message, trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__),))
+
+    def _count(self, code: str | None) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rpc(self.method, time.perf_counter() - self.start, code)
+
+    def end(self) -> None:
+        """Undo making the span current, and end it. When a client goes away
+        while a stream is blocked sending, grpc leaves the handler's generator
+        to asyncio, which closes it later from another context: there is no
+        attach to undo there."""
+        token, self.token = self.token, None
+        if isinstance(token, contextvars.Token):  # OpenTelemetry's default runtime context
+            with contextlib.suppress(ValueError):  # created in a different Context
+                token.var.reset(token)
+        elif token is not None:
+            otel_context.detach(token)
+        self.span.end()
+
+
+def _timing(message):
+    """A reply's ServerTiming, if its type has one and it is set."""
+    return message.timing if _has_timing_field(type(message)) and message.HasField("timing") else None
+
+
+@functools.lru_cache(maxsize=64)
+def _has_timing_field(message_type: type) -> bool:
+    descriptor = getattr(message_type, "DESCRIPTOR", None)
+    return descriptor is not None and "timing" in descriptor.fields_by_name

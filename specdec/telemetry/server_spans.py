@@ -1,0 +1,66 @@
+"""The SERVER span every specdec service makes per call: a child of the W3C
+trace context in the call's metadata, named and attributed as OpenTelemetry's
+gRPC instrumentation names it (``/specdec.v1.TargetService/Verify``, ``rpc.*``,
+``net.peer.*``), with the reply's ``ServerTiming`` as ``specdec.server.*``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import urllib.parse
+from typing import Mapping
+
+import grpc
+from opentelemetry import propagate, trace
+
+from specdec.telemetry import tracing
+
+# Probes call these every few seconds: a root trace each would bury the
+# requests' traces at the collector.
+UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health"})
+
+
+def start_server_span(full_method: str, metadata, peer: str) -> trace.Span:
+    """The call's SERVER span (not current: the caller makes it so), or the
+    invalid span for services that are not traced."""
+    attributes = _rpc_attributes(full_method)
+    if attributes is None:
+        return trace.INVALID_SPAN
+    parent = propagate.extract(dict(metadata)) if metadata else None
+    span = tracing.tracer().start_span(full_method, context=parent, kind=trace.SpanKind.SERVER,
+                                       attributes=attributes)
+    if span.is_recording():  # which caller: several coordinators may share a service
+        span.set_attributes(_peer_attributes(peer))
+    return span
+
+
+def record_timing(span: trace.Span, timing) -> None:
+    """The reply's ServerTiming (protobuf) on the call's span."""
+    if span.is_recording():
+        span.set_attributes({
+            "specdec.server.queue_s": timing.queue_s,
+            "specdec.server.compute_s": timing.compute_s,
+            "specdec.server.copy_s": timing.copy_s,
+            "specdec.server.computed_tokens": timing.computed_tokens,
+        })
+
+
+@functools.lru_cache(maxsize=64)
+def _rpc_attributes(full_method: str) -> Mapping[str, object] | None:
+    service, _, method = full_method.lstrip("/").partition("/")
+    if service in UNTRACED_SERVICES:
+        return None
+    return types.MappingProxyType({"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+                                   "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]})
+
+
+@functools.lru_cache(maxsize=256)  # a service's callers are a few long-lived connections
+def _peer_attributes(peer: str) -> Mapping[str, object]:
+    """``ipv4:10.0.0.7:51234`` / ``ipv6:%5B::1%5D:51234`` as ``net.peer.ip`` and
+    ``net.peer.port``; nothing for other transports (``unix:``)."""
+    kind, _, address = peer.partition(":")
+    host, _, port = address.rpartition(":")
+    if kind not in ("ipv4", "ipv6") or not port.isdigit():
+        return types.MappingProxyType({})
+    return types.MappingProxyType({"net.peer.ip": urllib.parse.unquote(host).strip("[]"), "net.peer.port": int(port)})
