@@ -17,8 +17,8 @@ import dataclasses
 import logging
 import pathlib
 
-from specdec.serving.config import CoordinatorConfig, env_names
 from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving.config import CoordinatorConfig, add_flags
 from specdec.serving.server import (
     COORDINATOR_SERVICE,
     GrpcServer,
@@ -27,59 +27,22 @@ from specdec.serving.server import (
     serve_until_signal,
     setup_logging,
 )
-from specdec.telemetry.observe import (
-    ServiceTelemetry,
-    add_arguments as add_telemetry_arguments,
-    setup_from_args,
-)
+from specdec.telemetry.observe import ServiceTelemetry, start_telemetry
 
 log = logging.getLogger("specdec.coordinator")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = CoordinatorConfig()
-
-    def add(flag: str, field: str, help: str, **kw):
-        env = " or ".join(env_names(CoordinatorConfig, field, ("SPECDEC_COORDINATOR_", "SPECDEC_")))
-        parser.add_argument(flag, dest=field, default=None,
-                            help=f"{help} [env {env}; default {getattr(defaults, field)}]", **kw)
-
-    add("--draft", "draft", "draft service address", metavar="HOST:PORT")
-    add("--target", "target", "target service address", metavar="HOST:PORT")
-    add("--host", "host", "address to listen on")
-    add("--port", "port", "port to listen on (0: any free port)", type=int)
-    add("--tokenizer", "tokenizer", "tokenizer directory for text prompts, text deltas and stop strings "
-        "(default: the bundled target model's tokenizer; without one only prompt_ids work)", metavar="DIR")
-    add("--max-new-tokens-cap", "max_new_tokens_cap", "largest max_new_tokens a request may ask for", type=int)
-    add("--max-sessions", "max_sessions", "named sessions remembered (least recently used forgotten beyond)",
-        type=int)
-    add("--gamma-policy", "default_gamma_policy", "gamma policy for requests that name none: "
-        "static:N | heuristic | adaptive")
-    add("--gamma-max", "gamma_max",
-        "largest gamma a policy may use (the services' --gamma-max where theirs is lower)", type=int)
-    add("--draft-top-k", "default_draft_top_k", "under sampling, the draft samples from its top-k and sends only "
-        "that support (exact, far fewer bytes); for requests that set no draft_top_k; 0 = dense q", type=int)
-    add("--call-timeout", "call_timeout_s", "deadline of each Propose/Verify call", type=float, metavar="SECONDS")
-    add("--info-timeout", "info_timeout_s", "deadline of GetModelInfo/EndSession calls", type=float,
-        metavar="SECONDS")
-    add("--max-workers", "max_workers", "threads running round loops (concurrent Generate streams)", type=int)
-    add("--max-message-bytes", "max_message_bytes", "gRPC message size limit", type=int)
-    add("--drain-grace", "drain_grace_s", "on SIGTERM, seconds in-flight Generate streams may take to finish",
-        type=float, metavar="SECONDS")
-    add("--log-level", "log_level", "logging level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add_telemetry_arguments(parser, "coordinator")
-
-
-def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(CoordinatorConfig)}
-    return CoordinatorConfig.load(overrides)
+    add_flags(parser, CoordinatorConfig)
 
 
 def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
     """``--tokenizer``, else the bundled target model's directory when it ships a
-    tokenizer, else None."""
+    tokenizer, else None (also for ``--tokenizer none``)."""
     from specdec.models.tokenizer import has_tokenizer
 
+    if config.tokenizer == "none":
+        return None
     if config.tokenizer:
         path = pathlib.Path(config.tokenizer)
         if not path.is_dir():
@@ -158,7 +121,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         raise
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
-                        interceptors=telemetry.server_interceptors() if telemetry else ())
+                        metrics=telemetry.metrics if telemetry else None)
     servicer = CoordinatorServicer(engine, executor)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
@@ -181,9 +144,9 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    config = CoordinatorConfig.load(vars(args))
     setup_logging(config.log_level)
-    telemetry = setup_from_args(args, "coordinator")
+    telemetry = start_telemetry("coordinator", config.trace_file, config.metrics_port)
 
     async def main() -> None:
         coordinator = await start_coordinator(config, telemetry)

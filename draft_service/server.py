@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.serving.service_cli import add_service_arguments
+from specdec.serving.config import DraftConfig, add_flags
 
 ROLE = "draft"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_service_arguments(parser, ROLE)
+    add_flags(parser, DraftConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.serving.service_cli import add_service_arguments
+from specdec.serving.config import TargetConfig, add_flags
 
 ROLE = "target"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_service_arguments(parser, ROLE)
+    add_flags(parser, TargetConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from target_service.servicer import add_to_server
     from specdec.serving.model_host import run_service
+    from target_service.servicer import add_to_server
 
     return run_service(args, ROLE, add_to_server)

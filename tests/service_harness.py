@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from specdec.serving.config import ServiceConfig
+from specdec.serving.config import CONFIG_CLASSES
 from specdec.serving.model_host import RunningService, start_model_service
 from tiny_models import TEST_DEVICE
 
@@ -37,7 +37,7 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
     else:
         from target_service.servicer import add_to_server
     values = {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}
-    config = ServiceConfig.load(role, values, environ={})
+    config = CONFIG_CLASSES[role](**values)
     service, _ = loop.call(start_model_service(config, add_to_server))
     return service
 

@@ -205,7 +205,7 @@ def test_health_serving_and_reflection_lists_services(services):
 
 def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, monkeypatch):
     from draft_service.servicer import add_to_server
-    from specdec.serving.config import ServiceConfig
+    from specdec.serving.config import DraftConfig
     from specdec.serving.model_host import ModelHost, start_model_service
 
     gate = threading.Event()
@@ -218,7 +218,7 @@ def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, mon
         await real_load(self, runner)
 
     monkeypatch.setattr(ModelHost, "load", slow_load)
-    config = ServiceConfig.load("draft", {"model": str(tiny_pair[1]), "host": "127.0.0.1", "port": 0}, environ={})
+    config = DraftConfig(model=str(tiny_pair[1]), host="127.0.0.1", port=0)
     service, loading = loop.call(start_model_service(config, add_to_server, wait_loaded=False))
     with channel(service) as ch:
         health = health_pb2_grpc.HealthStub(ch)

@@ -20,7 +20,15 @@ import subprocess
 import sys
 import time
 
-from specdec.serving.config import DEFAULT_PORTS, ServiceConfig, env_names, role_prefixes
+from specdec.serving.config import (
+    DEFAULT_PORTS,
+    BaseServiceConfig,
+    CoordinatorConfig,
+    DraftConfig,
+    TargetConfig,
+    command_line,
+    env_names,
+)
 
 HOST = "127.0.0.1"
 
@@ -43,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"draft service port (default {DEFAULT_PORTS['draft']})")
     p.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"],
                    help=f"target service port (default {DEFAULT_PORTS['target']})")
-    p.add_argument("--drain-grace", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, seconds the generations in flight may take to finish (default 30)")
+    drain_grace = BaseServiceConfig.model_fields["drain_grace_s"]
+    p.add_argument("--drain-grace", type=float, default=drain_grace.default, metavar="SECONDS",
+                   help=f"{drain_grace.description} (default {drain_grace.default:g})")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus /metrics: the coordinator on PORT, the draft service on PORT+1, "
                         "the target service on PORT+2 (deploy/prometheus/prometheus-local.yml scrapes "
@@ -117,7 +126,16 @@ def child_env(threads: int | None = None) -> dict[str, str]:
 METRICS_PORT_OFFSETS = {"coordinator": 0, "draft": 1, "target": 2}
 
 # The variables that set the draft service's --draft-ahead (most specific first).
-DRAFT_AHEAD_ENV = env_names(ServiceConfig, "draft_ahead", role_prefixes("draft"))
+DRAFT_AHEAD_ENV = env_names(DraftConfig, "draft_ahead")
+
+
+def coordinator_tokenizer(tokenizer: str | None, target: pathlib.Path) -> str:
+    """The coordinator's ``--tokenizer``: the one given, else the target model's
+    own, else "none" (prompt_ids only): the coordinator's default, the bundled
+    target's tokenizer, belongs to another model."""
+    from specdec.models.tokenizer import has_tokenizer
+
+    return str(tokenizer or (target if has_tokenizer(target) else "none"))
 
 
 class Stack:
@@ -133,10 +151,8 @@ class Stack:
         self.ports = ports
         self.log_path = log
         out = open(log, "ab") if log is not None else None
-        common = ["--host", HOST, "--drain-grace", str(drain_grace)]
-        if trace_file:
-            common += ["--trace-file", str(trace_file)]
-        metrics = {role: ["--metrics-port", str(port)] for role, port in (metrics_ports or {}).items()}
+        metrics_ports = metrics_ports or {}
+        common = dict(host=HOST, drain_grace_s=drain_grace, trace_file=trace_file)
         cli = [sys.executable, "-m", "specdec.cli"]
         self.procs: dict[str, subprocess.Popen] = {}
         # Own process group: a Ctrl-C reaches this process only, which then stops
@@ -153,16 +169,16 @@ class Stack:
             return {"preexec_fn": lambda: os.sched_setaffinity(0, mask)} if mask else {}
 
         try:
-            for role, model in (("draft", draft), ("target", target)):
-                self.procs[role] = subprocess.Popen(
-                    [*cli, f"{role}-service", "--model", str(model), "--device", devices[role],
-                     "--port", str(ports[role]), *common, *metrics.get(role, ())],
-                    env=envs[role], **kw, **pinned(role))
-            self.procs["coordinator"] = subprocess.Popen(
-                [*cli, "coordinator", "--draft", self.address("draft"), "--target", self.address("target"),
-                 "--tokenizer", str(tokenizer or target), "--port", str(ports["coordinator"]), *common,
-                 *metrics.get("coordinator", ())],
-                env=child_env(1), **kw, **pinned("coordinator"))
+            for role, config, model in (("draft", DraftConfig, draft), ("target", TargetConfig, target)):
+                flags = command_line(config, model=model, device=devices[role], port=ports[role],
+                                     metrics_port=metrics_ports.get(role), **common)
+                self.procs[role] = subprocess.Popen([*cli, f"{role}-service", *flags], env=envs[role], **kw,
+                                                    **pinned(role))
+            flags = command_line(CoordinatorConfig, draft=self.address("draft"), target=self.address("target"),
+                                 tokenizer=coordinator_tokenizer(tokenizer, target), port=ports["coordinator"],
+                                 metrics_port=metrics_ports.get("coordinator"), **common)
+            self.procs["coordinator"] = subprocess.Popen([*cli, "coordinator", *flags], env=child_env(1), **kw,
+                                                         **pinned("coordinator"))
         except BaseException:
             self.stop()
             raise

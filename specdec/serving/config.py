@@ -1,145 +1,110 @@
-"""Typed configuration with environment overrides.
+"""Every setting of the three services, each declared once, as a field of the
+service's config class below: name, type, default, bounds and help
+(``description``). From the declarations come
+
+* the command-line flags (:func:`add_flags`): ``--`` and the field name with
+  dashes, or the ``"flag"`` in the field's ``json_schema_extra``;
+* the environment variables (:func:`env_names`): ``SPECDEC_<ROLE>_<FIELD>``,
+  then ``SPECDEC_<FIELD>``. Settings that must differ between services running
+  side by side (``"role_only"``: ports, models, devices, addresses) are read
+  only with the role's prefix;
+* validation, with messages naming the flag or the variable (:meth:`BaseServiceConfig.load`);
+* the README's flag tables (:func:`flag_table`): ``python -m specdec.serving.config --readme``
+  rewrites them.
 
 Precedence, highest first: command-line flag > environment variable > default.
-Every field ``foo_bar`` of a config is read from ``<PREFIX>FOO_BAR`` for each of
-the config's prefixes in turn (most specific first), e.g. a draft service's
-``max_sessions`` from ``SPECDEC_DRAFT_MAX_SESSIONS``, then
-``SPECDEC_MAX_SESSIONS``. Fields that must differ between services running side
-by side (port, model, device) are only read with the role's prefix.
 
-    cfg = load_config(ServiceConfig, role_prefixes("draft"), overrides={"port": 0}, role="draft")
+    add_flags(parser, DraftConfig)            # every flag defaults to None: absent
+    config = DraftConfig.load(vars(parser.parse_args()))
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import os
+import pathlib
+import re
+import sys
+import types
 import typing
-from typing import Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 
-T = TypeVar("T")
-
-ENV_PREFIX = "SPECDEC_"
-
-
-
-
-
-def role_prefixes(role: str) -> tuple[str, ...]:
-    """``("SPECDEC_DRAFT_", "SPECDEC_")`` for role "draft"."""
-    return (f"{ENV_PREFIX}{role.upper()}_", ENV_PREFIX)
-
-
-def env_names(cls: type, field: str, prefixes: tuple[str, ...]) -> list[str]:
-    """The environment variables consulted for ``field``, most specific first."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[field]
-    if f.metadata.get("role_only"):
-        prefixes = prefixes[:1]
-    return [p + field.upper() for p in prefixes]
-
-
-def load_config(
-    cls: type[T],
-    prefixes: tuple[str, ...],
-    overrides: Mapping[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-    **fixed: Any,
-) -> T:
-    """Build ``cls`` from defaults, then the environment, then ``overrides``
-    (entries that are None are ignored, so argparse flags defaulting to None
-    fall through). ``fixed`` values are set as given (e.g. ``role``)."""
-    environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = dict(fixed)
-    for f in dataclasses.fields(cls):
-        if f.name in fixed or not f.init:
-            continue
-        for name in env_names(cls, f.name, prefixes):
-            raw = environ.get(name)
-            if raw is not None and raw != "":
-                values[f.name] = _parse(raw, hints[f.name], name)
-                break
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            values[key] = value
-    return cls(**values)
-
-
-def _parse(raw: str, hint: Any, name: str) -> Any:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    kind = args[0] if args else hint  # Optional[X] -> X
-    try:
-        if kind is bool:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind in (int, float, str):
-            return kind(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
-    raise TypeError(f"cannot read {name} into a field of type {hint}")
-
-
-def _role_only(default: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"role_only": True})
-
-
-# ============================================================================
-# Model services (draft and target) -- owned by the services side.
-# ============================================================================
-
-DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 MiB = 1 << 20
+ROLE_ONLY = {"role_only": True}
+PORT_HELP = "port to listen on (0: any free port)"
 
 
-def check_limits(config, *, positive: tuple[str, ...], non_negative: tuple[str, ...]) -> None:
-    """ValueError naming the first field out of range."""
-    for name in positive:
-        if getattr(config, name) <= 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
-    for name in non_negative:
-        if getattr(config, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+class RoleEnvSource(EnvSettingsSource):
+    """Each field from the first of its :func:`env_names` that is set (and not empty)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        for name in env_names(self.settings_cls, field_name):
+            if name in self.env_vars:
+                return self.env_vars[name], name, False
+        return None, field_name, False
 
 
-@dataclasses.dataclass
-class ServiceConfig:
-    """One model service: the draft (role "draft") or the target (role "target")."""
+class BaseServiceConfig(BaseSettings):
+    """What every service has. A subclass names its ``role`` and adds its own settings."""
 
-    role: str = "target"
-    model: str | None = _role_only(None)  # model directory; None = the bundled model of the role
-    device: str = _role_only("cpu")
-    dtype: str = "float32"
-    host: str = "0.0.0.0"
-    port: int | None = _role_only(None)  # None = DEFAULT_PORTS[role]; 0 = any free port
-    max_sessions: int = 256  # LRU-evicted beyond this
-    max_cached_tokens: int = 1_000_000  # summed over sessions; LRU-evicted beyond this
-    session_ttl_s: float = 600.0  # idle sessions are dropped after this
-    max_message_bytes: int = 64 * MiB  # gRPC send/receive limit
-    gamma_max: int = 64  # Propose gamma / Verify drafts above this are rejected
-    drain_grace_s: float = 30.0  # on SIGTERM: how long the generations in flight may take to finish
-    log_level: str = "INFO"
-    draft_ahead: bool = True  # draft service: draft the next round while the target verifies
-    lean_forward: bool = True  # draft service: a Llama draft runs through specdec.models.lean_llama
+    model_config = SettingsConfigDict(case_sensitive=True, env_ignore_empty=True)
+    role: ClassVar[str]
 
-    def __post_init__(self) -> None:
-        if self.role not in ("draft", "target"):
-            raise ValueError(f"role must be 'draft' or 'target', got {self.role!r}")
-        if self.port is None:
-            self.port = DEFAULT_PORTS[self.role]
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        check_limits(self, positive=("max_sessions", "max_cached_tokens", "max_message_bytes", "session_ttl_s"),
-                     non_negative=("gamma_max", "drain_grace_s"))
+    host: str = Field("0.0.0.0", description="address to listen on")
+    max_message_bytes: int = Field(64 * MiB, gt=0, description="gRPC message size limit")
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, seconds the generations in flight may take to finish",
+        json_schema_extra={"flag": "--drain-grace", "metavar": "SECONDS"})
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
+    trace_file: str | None = Field(
+        None, description="append every span as a JSON line to PATH (read by `specdec trace-report`); "
+        "OTLP export is configured by the standard OTEL_* variables", json_schema_extra={"metavar": "PATH"})
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)",
+        json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
 
     @classmethod
-    def load(cls, role: str, overrides: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "ServiceConfig":
-        return load_config(cls, role_prefixes(role), overrides, environ, role=role)
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return init_settings, RoleEnvSource(settings_cls)  # no .env file, no secrets directory
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any] | None = None):
+        """From ``flags`` (field name -> value; None, or a name that is no setting
+        of this service, is ignored), then the environment, then the defaults. A
+        ValueError names the flag or the variable that is wrong."""
+        given = {name: value for name, value in (flags or {}).items() if name in cls.model_fields and value is not None}
+        try:
+            return cls(**given)
+        except ValidationError as e:
+            raise ValueError("; ".join(_explain(cls, error, given) for error in e.errors())) from None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ServiceConfig(BaseServiceConfig):
+    """A model service: the draft (:class:`DraftConfig`) or the target (:class:`TargetConfig`)."""
+
+    model: str | None = Field(
+        None, description="model directory (default: the bundled model of this role)",
+        json_schema_extra={"metavar": "DIR", **ROLE_ONLY})
+    device: str = Field("cpu", description="torch device, e.g. cpu, cuda:0", json_schema_extra=ROLE_ONLY)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
+    max_sessions: int = Field(256, gt=0, description="sessions held before LRU eviction")
+    max_cached_tokens: int = Field(1_000_000, gt=0, description="tokens held over all sessions before LRU eviction")
+    session_ttl_s: float = Field(
+        600.0, gt=0, description="seconds an idle session is kept",
+        json_schema_extra={"flag": "--session-ttl", "metavar": "SECONDS"})
+    gamma_max: int = Field(64, ge=0, description="largest gamma / number of drafts accepted per call")
 
     def model_path(self) -> str:
         """The model directory to serve: ``model`` or the bundled one."""
@@ -149,54 +114,188 @@ class ServiceConfig:
 
         return str(bundled.draft_path() if self.role == "draft" else bundled.target_path())
 
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+
+class DraftConfig(ServiceConfig):
+    role: ClassVar[str] = "draft"
+
+    port: int = Field(50052, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
+    draft_ahead: bool = Field(
+        True, description="while the target verifies, draft the next round as if all drafts are accepted "
+        "(reused when they are; the output never changes)")
+    lean_forward: bool = Field(
+        True, description="run a Llama-architecture draft through specdec's lean forward pass instead of "
+        "Hugging Face's (same weights, less Python per token; the output's distribution never changes, though "
+        "one seed's sampled tokens follow q to the last bit)")
 
 
-# ============================================================================
-# Coordinator -- owned by the coordinator side (helper-3); add CoordinatorConfig below.
-# ============================================================================
+class TargetConfig(ServiceConfig):
+    role: ClassVar[str] = "target"
+
+    port: int = Field(50053, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
 
 
-@dataclasses.dataclass
-class CoordinatorConfig:
+class CoordinatorConfig(BaseServiceConfig):
     """The coordinator: where the draft and target services are, and the limits
-    it enforces on client requests. Environment: ``SPECDEC_COORDINATOR_<FIELD>``,
-    then ``SPECDEC_<FIELD>`` (``draft``, ``target``, ``port`` and ``tokenizer``
-    only with the role prefix)."""
+    it enforces on client requests."""
 
-    draft: str = _role_only("localhost:50052")  # draft service HOST:PORT
-    target: str = _role_only("localhost:50053")  # target service HOST:PORT
-    host: str = "0.0.0.0"
-    port: int | None = _role_only(None)  # None = 50051; 0 = any free port
-    tokenizer: str | None = _role_only(None)  # tokenizer directory; None = the bundled target's, if present
-    max_new_tokens_cap: int = 4096  # requests asking for more are rejected
-    max_sessions: int = 100_000  # named sessions remembered; least recently used forgotten beyond
-    default_gamma_policy: str = "adaptive"  # used when a request leaves gamma_policy empty
-    default_draft_top_k: int = DEFAULT_DRAFT_TOP_K  # for requests that set no draft_top_k; 0: dense q
-    gamma_max: int = 16  # static:N above this is rejected; heuristic never exceeds it
-    call_timeout_s: float = 60.0  # deadline of every Propose / Verify call
-    info_timeout_s: float = 10.0  # deadline of GetModelInfo / EndSession calls
-    max_workers: int = 64  # threads running round loops (one per in-flight Generate)
-    max_message_bytes: int = 64 * MiB
-    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight Generate streams may take
-    log_level: str = "INFO"
+    role: ClassVar[str] = "coordinator"
 
-    def __post_init__(self) -> None:
-        if self.port is None:
-            self.port = DEFAULT_PORTS["coordinator"]
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        check_limits(self, positive=("max_new_tokens_cap", "max_sessions", "max_workers", "max_message_bytes",
-                                     "call_timeout_s", "info_timeout_s"),
-                     non_negative=("gamma_max", "drain_grace_s", "default_draft_top_k"))
+    draft: str = Field("localhost:50052", description="draft service address",
+                       json_schema_extra={"metavar": "HOST:PORT", **ROLE_ONLY})
+    target: str = Field("localhost:50053", description="target service address",
+                        json_schema_extra={"metavar": "HOST:PORT", **ROLE_ONLY})
+    port: int = Field(50051, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
+    tokenizer: str | None = Field(
+        None, description="tokenizer directory for text prompts, text deltas and stop strings (default: the "
+        "bundled target model's tokenizer); 'none', or no tokenizer at all: only prompt_ids work",
+        json_schema_extra={"metavar": "DIR", **ROLE_ONLY})
+    max_new_tokens_cap: int = Field(4096, gt=0, description="largest max_new_tokens a request may ask for")
+    max_sessions: int = Field(
+        100_000, gt=0, description="named sessions remembered (least recently used forgotten beyond)")
+    default_gamma_policy: str = Field(
+        "adaptive", description="gamma policy for requests that name none: static:N, heuristic (+2 if all "
+        "drafts were accepted, -1 otherwise) or adaptive (maximises expected tokens/s from measured acceptance "
+        "and round costs)", json_schema_extra={"flag": "--gamma-policy"})
+    gamma_max: int = Field(
+        16, ge=0, description="largest gamma a policy may use (the services' --gamma-max where theirs is lower)")
+    default_draft_top_k: int = Field(
+        DEFAULT_DRAFT_TOP_K, ge=0, description="under sampling, the draft samples from its top-k and sends "
+        "only that support (exact, far fewer bytes); for requests that set no draft_top_k; 0 = dense q",
+        json_schema_extra={"flag": "--draft-top-k"})
+    call_timeout_s: float = Field(
+        60.0, gt=0, description="deadline of each Propose/Verify call",
+        json_schema_extra={"flag": "--call-timeout", "metavar": "SECONDS"})
+    info_timeout_s: float = Field(
+        10.0, gt=0, description="deadline of GetModelInfo/EndSession calls",
+        json_schema_extra={"flag": "--info-timeout", "metavar": "SECONDS"})
+    max_workers: int = Field(64, gt=0, description="threads running round loops (concurrent Generate streams)")
 
-    @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "CoordinatorConfig":
-        return load_config(cls, role_prefixes("coordinator"), overrides, environ)
 
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+CONFIG_CLASSES: dict[str, type[BaseServiceConfig]] = {
+    "coordinator": CoordinatorConfig, "draft": DraftConfig, "target": TargetConfig}
+DEFAULT_PORTS = {role: cls.model_fields["port"].default for role, cls in CONFIG_CLASSES.items()}
+
+
+# ---------------------------------------------------------------- derived from the declarations
+
+
+def _extra(cls: type[BaseServiceConfig], name: str) -> dict:
+    return cls.model_fields[name].json_schema_extra or {}
+
+
+def settings(cls: type[BaseServiceConfig]) -> list[tuple[str, FieldInfo]]:
+    """``cls``'s settings in the order ``--help`` and the README list them: the
+    service's own first, then those every service has."""
+    return sorted(cls.model_fields.items(), key=lambda item: item[0] in BaseServiceConfig.model_fields)
+
+
+def flag_name(cls: type[BaseServiceConfig], name: str) -> str:
+    return _extra(cls, name).get("flag") or "--" + name.replace("_", "-")
+
+
+def env_names(cls: type[BaseServiceConfig], name: str) -> list[str]:
+    """The environment variables setting field ``name``, most specific first."""
+    prefixes = [f"SPECDEC_{cls.role.upper()}_"] + ([] if _extra(cls, name).get("role_only") else ["SPECDEC_"])
+    return [prefix + name.upper() for prefix in prefixes]
+
+
+def shown_default(field: FieldInfo) -> str:
+    """The default as --help and the README show it ("" when the description says)."""
+    value = field.default
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # seconds: 30, not 30.0
+    return str(value)
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X`` for ``X | None``, else the annotation itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    return annotation
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type[BaseServiceConfig]) -> None:
+    """One flag per setting of ``cls``, defaulting to None so that an absent flag
+    falls through to the environment, then to the declared default."""
+    for name, field in settings(cls):
+        flag, default = flag_name(cls, name), shown_default(field)
+        help_text = f"{field.description} [env {' or '.join(env_names(cls, name))}"
+        help_text = (help_text + (f"; default {default}]" if default else "]")).replace("%", "%%")
+        kind = _without_none(field.annotation)
+        options: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            options["choices"] = typing.get_args(kind)
+        else:
+            options["type"] = kind
+            options["metavar"] = _extra(cls, name).get("metavar") or flag[2:].replace("-", "_").upper()
+        parser.add_argument(flag, **options)
+
+
+def command_line(cls: type[BaseServiceConfig], **values: Any) -> list[str]:
+    """The flags giving ``cls``'s settings these ``values`` (None: left out)."""
+    argv: list[str] = []
+    for name, value in values.items():
+        flag = flag_name(cls, name)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _explain(cls: type[BaseServiceConfig], error: Mapping[str, Any], flags: Mapping[str, Any]) -> str:
+    """One pydantic error as a sentence naming the flag, or the variable it came from."""
+    name = error["loc"][0]
+    ctx = error.get("ctx", {})
+    bounds = [f"must be {sign} {ctx[key]:g}" for key, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+              if key in ctx]
+    if bounds:
+        problem = bounds[0]
+    elif error["type"].endswith("_parsing") or error["type"] == "int_from_float":
+        problem = f"is not a valid {error['type'].split('_')[0]}"  # int_parsing -> int
+    else:
+        problem = error["msg"].replace("Input should be", "must be")
+    flag = flag_name(cls, name)
+    env = next((env for env in env_names(cls, name) if os.environ.get(env)), None)
+    if name in flags or env is None:
+        return f"{flag} {problem}, got {error['input']!r}"
+    return f"environment variable {env}={os.environ[env]!r} {problem} (it sets {flag})"
+
+
+def flag_table(cls: type[BaseServiceConfig]) -> str:
+    """``cls``'s settings as a Markdown table: flag, environment variables, default, help."""
+    rows = [f"| {cls.role} flag | environment | default | |", "|---|---|---|---|"]
+    for name, field in settings(cls):
+        metavar = _extra(cls, name).get("metavar")
+        flag = f"`{flag_name(cls, name)}{' ' + metavar if metavar else ''}`"
+        if field.annotation is bool:
+            flag += f" / `--no-{flag_name(cls, name)[2:]}`"
+        env = ", ".join(f"`{env}`" for env in env_names(cls, name))
+        description = field.description.replace("|", r"\|")  # a | would end the cell
+        rows.append(f"| {flag} | {env} | {shown_default(field)} | {description} |")
+    return "\n".join(rows)
+
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+README_COMMAND = "python -m specdec.serving.config --readme"
+
+
+def with_flag_tables(text: str) -> str:
+    """``text`` with the table of NAME's settings between each
+    ``<!-- BEGIN flags NAME -->`` and ``<!-- END flags NAME -->`` (NAME: a role)."""
+    def table(block: re.Match) -> str:
+        return f"{block[1]}\n{flag_table(CONFIG_CLASSES[block[2]])}\n{block[3]}"
+
+    return re.sub(r"(<!-- BEGIN flags (\S+) -->).*?(<!-- END flags \2 -->)", table, text, flags=re.S)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--readme"]:
+        sys.exit(f"usage: {README_COMMAND}  (rewrites the flag tables in {README})")
+    README.write_text(with_flag_tables(README.read_text(encoding="utf-8")), encoding="utf-8")

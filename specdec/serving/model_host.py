@@ -28,13 +28,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from specdec.serving import convert as pc
-from specdec.serving.config import ServiceConfig
+from specdec.serving.config import CONFIG_CLASSES, ServiceConfig
 from specdec.serving.errors import Draining, InvalidRequest, Unavailable
 from specdec.telemetry.metrics import ServiceMetrics
 from specdec.models.runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.core.sampling import SamplingParams, SparseDist
-from specdec.serving.service_cli import config_from_args
 from specdec.serving.server import (
     DRAFT_SERVICE,
     TARGET_SERVICE,
@@ -45,7 +44,7 @@ from specdec.serving.server import (
     setup_logging,
 )
 from specdec.serving.sessions import SessionStore
-from specdec.telemetry.observe import ServiceTelemetry, setup_from_args
+from specdec.telemetry.observe import ServiceTelemetry, start_telemetry
 from specdec.serving.timing import ServerTiming
 
 log = logging.getLogger(__name__)
@@ -347,7 +346,7 @@ async def start_model_service(
     if telemetry is not None:  # first: a busy metrics port fails before anything listens
         telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
     server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
-                        interceptors=telemetry.server_interceptors() if telemetry else ())
+                        metrics=telemetry.metrics if telemetry else None)
     add_servicer(host, server.server)
     port = await bind_or_close(server, config.host, config.port, telemetry)
     await server.start()
@@ -376,9 +375,9 @@ async def start_model_service(
 
 def run_service(args: argparse.Namespace, role: str, add_servicer: Callable[[ModelHost, Any], None]) -> int:
     """``specdec draft-service`` / ``target-service``: serve until SIGTERM, drain, exit 0."""
-    config = config_from_args(args, role)
+    config = CONFIG_CLASSES[role].load(vars(args))
     setup_logging(config.log_level)
-    telemetry = setup_from_args(args, role)
+    telemetry = start_telemetry(role, config.trace_file, config.metrics_port)
     model = pathlib.Path(config.model_path())
     if not (model / "config.json").is_file():  # fail before listening, with a hint
         hint = "" if config.model else f" (the bundled {role} model is missing: pass --model DIR)"
