@@ -27,7 +27,7 @@ from specdec.serving.server import (
     serve_until_signal,
     setup_logging,
 )
-from specdec.telemetry.observe import ServiceTelemetry, start_telemetry
+from specdec.telemetry.setup import ServiceTelemetry, start_telemetry
 
 log = logging.getLogger("specdec.coordinator")
 

@@ -18,11 +18,11 @@ import random
 
 import torch
 
+from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
+from specdec.core.sampling import SamplingParams
 from specdec.models import bundled
 from specdec.models.decoder import SpeculativeDecoder
 from specdec.tools.eval_pair import held_out_streams, make_prompts
-from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
-from specdec.core.sampling import SamplingParams
 
 
 def main() -> None:
@@ -76,7 +76,8 @@ def main() -> None:
     for name in names:
         t = totals[name]
         rate = t["tokens"] / t["seconds"]
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f} | {t['tokens'] / t['rounds']:.2f} | {t['drafted'] / t['rounds']:.2f} |")
+        per_round = f"{t['tokens'] / t['rounds']:.2f} | {t['drafted'] / t['rounds']:.2f}"
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f} | {per_round} |")
 
 
 if __name__ == "__main__":

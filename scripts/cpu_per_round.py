@@ -45,15 +45,16 @@ def start_services(procs) -> tuple[dict[str, int], int]:
     procs.start("coordinator", ["coordinator", "--draft", f"127.0.0.1:{draft_port}", "--target",
                                 f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir)],
                 core=COORDINATOR_CORE)
-    return dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children))), port
+    return dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children), strict=True)), port
 
 
 def main() -> None:
-    from specdec.models import bundled
-    from specdec.tools.bench import COORDINATOR_CORE, TARGET_CORE, Processes, pin
-    from specdec.serving.client import Client
-    from specdec.tools.eval_pair import held_out_streams, make_prompts
     from transformers import AutoTokenizer
+
+    from specdec.models import bundled
+    from specdec.serving.client import Client
+    from specdec.tools.bench import COORDINATOR_CORE, TARGET_CORE, Processes, pin
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="static:0,static:4,adaptive")

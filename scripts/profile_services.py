@@ -39,11 +39,12 @@ def top_frames(path: pathlib.Path, n: int = 30) -> list[tuple[int, str]]:
 
 
 def main() -> None:
-    from specdec.models import bundled
-    from specdec.tools.bench import COORDINATOR_CORE, DRAFT_CORE, Processes, pin
-    from specdec.serving.client import Client
-    from specdec.tools.eval_pair import held_out_streams, make_prompts
     from transformers import AutoTokenizer
+
+    from specdec.models import bundled
+    from specdec.serving.client import Client
+    from specdec.tools.bench import COORDINATOR_CORE, DRAFT_CORE, Processes, pin
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="static:0")

@@ -38,7 +38,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from draft_service.servicer import DRAFT_AHEAD_EXTRA
 from specdec.core.gamma import AdaptiveGamma, GammaPolicy, HeuristicGamma, RoundCost, StaticGamma
@@ -158,9 +158,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="where prompts are cut (default 0: the bench's prompts)")
     p.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt (default 96, as the bench)")
     p.add_argument("--lookahead", type=int, default=12, help="draft tokens recorded per position (default 12)")
-    p.add_argument("--traces", default=None, metavar="FILE", help="JSON of a recording: read if it exists, else written")
+    p.add_argument("--traces", default=None, metavar="FILE",
+                   help="JSON of a recording: read if it exists, else written")
     p.add_argument("--target-ms", type=float, default=5.5, help="target pass of one token (eval-pair: 5.51)")
-    p.add_argument("--draft-ms", type=float, default=1.04, help="draft per token (1.04: Hugging Face's forward, eval-pair; 0.63: the lean forward)")
+    p.add_argument("--draft-ms", type=float, default=1.04,
+                   help="draft per token (1.04: Hugging Face's forward, eval-pair; 0.63: the lean forward)")
     p.add_argument("--verify-slope-ms", type=float, default=0.6, help="target pass per extra token (measured 0.63)")
     p.add_argument("--call-overhead-ms", type=float, default=1.0,
                    help="per call in distributed rows: gRPC in Python, both ends (docs/benchmarks.md)")

@@ -23,7 +23,7 @@ import argparse
 import functools
 import random
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 from specdec.core.gamma import AdaptiveGamma, GammaPolicy, RoundCost, StaticGamma
 from specdec.core.interfaces import RoundResult
@@ -82,9 +82,9 @@ def main() -> None:
     for rtt_ms, alphas in WORLDS:
         cost = world_cost(rtt_ms / 1000)
         for alpha in alphas:
-            def relative(make: Callable[[], GammaPolicy]) -> list[float]:
-                return [tokens_per_s(make, alpha, cost, s) / tokens_per_s(functools.partial(StaticGamma, 0), alpha, cost, s)
-                        for s in seeds]
+            def relative(make: Callable[[], GammaPolicy], alpha=alpha, cost=cost) -> list[float]:
+                plain = functools.partial(StaticGamma, 0)
+                return [tokens_per_s(make, alpha, cost, s) / tokens_per_s(plain, alpha, cost, s) for s in seeds]
 
             static = {g: statistics.mean(relative(functools.partial(StaticGamma, g))) for g in STATIC}
             best_g = max(static, key=static.get)

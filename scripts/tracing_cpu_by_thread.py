@@ -53,12 +53,10 @@ def thread_cpu(pid: int) -> dict[tuple[str, str], float]:
 
 
 def main() -> None:
-    from specdec.tools import bench_tracing
-    from specdec.cli.serve import model_dirs
+    from specdec.cli.serve import add_model_arguments, model_dirs
     from specdec.serving.client import Client
+    from specdec.tools import bench_tracing
     from specdec.tools.otlp_receiver import OtlpReceiver
-
-    from specdec.cli.serve import add_model_arguments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)

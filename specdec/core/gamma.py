@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class GammaPolicy(Protocol):
     def choose(self) -> int: ...
 
-    def observe(self, result: "RoundResult") -> None: ...
+    def observe(self, result: RoundResult) -> None: ...
 
 
 @dataclasses.dataclass
@@ -37,7 +37,7 @@ class StaticGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def observe(self, result: "RoundResult") -> None:
+    def observe(self, result: RoundResult) -> None:
         pass
 
 
@@ -52,7 +52,7 @@ class HeuristicGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def observe(self, result: "RoundResult") -> None:
+    def observe(self, result: RoundResult) -> None:
         if result.gamma == 0:
             return
         if result.accepted == result.gamma:
@@ -226,7 +226,7 @@ class AdaptiveGamma:
         pooled = (pooled_acc + self.prior_weight * self.prior_alpha) / (pooled_tried + self.prior_weight)
         return [
             (a + self.prior_weight * pooled) / (t + self.prior_weight)
-            for a, t in zip(self._accepted, self._tried)
+            for a, t in zip(self._accepted, self._tried, strict=True)
         ]
 
     def cost(self) -> RoundCost | None:
@@ -235,7 +235,7 @@ class AdaptiveGamma:
         slope = self._verify_slope
         return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope), slope)
 
-    def for_new_request(self, carry: float = 0.25) -> "AdaptiveGamma":
+    def for_new_request(self, carry: float = 0.25) -> AdaptiveGamma:
         """A copy to start the next request from: the round costs belong to the
         deployment and carry over whole; acceptance varies from prompt to prompt,
         so only ``carry`` of its evidence does (a new request's own rounds soon
@@ -262,7 +262,7 @@ class AdaptiveGamma:
         acceptance could still be, given how little of it has been seen."""
         return [
             min(1.0, a + self.optimism * math.sqrt(max(0.0, a * (1 - a)) / (t + self.prior_weight)))
-            for a, t in zip(self.alphas(), self._tried)
+            for a, t in zip(self.alphas(), self._tried, strict=True)
         ]
 
     @property
@@ -322,7 +322,7 @@ class AdaptiveGamma:
             self._verify.forget(0.1)
             self._verify_slope = bound
 
-    def observe(self, result: "RoundResult") -> None:
+    def observe(self, result: RoundResult) -> None:
         g, n = result.gamma, result.accepted
         d = self.decay
         probe = bool(g) and self.idle

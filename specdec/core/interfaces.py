@@ -18,7 +18,8 @@ clients, configuration and ``--help`` can name these types cheaply.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterator, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from specdec.core.sampling import Distribution, SamplingParams

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from specdec.core.gamma import GammaPolicy
 from specdec.core.interfaces import (

@@ -55,7 +55,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def with_seed(self) -> "SamplingParams":
+    def with_seed(self) -> SamplingParams:
         """This, with a fresh random seed filled in if none was given."""
         if self.seed is not None:
             return self

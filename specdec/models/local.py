@@ -4,11 +4,9 @@ target services and the in-process decoder alike."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from specdec.models.runner import ModelRunner, Sequence
-from specdec.core.interfaces import DraftToken
-from specdec.core.verification import dense_rows
+from specdec.core.interfaces import DraftToken, Verdict
 from specdec.core.sampling import (
     STREAM_DRAFT,
     SamplingParams,
@@ -17,8 +15,8 @@ from specdec.core.sampling import (
     truncate_top_k,
     uniform,
 )
-from specdec.core.interfaces import Verdict
-from specdec.core.verification import verify_greedy, verify_stochastic
+from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
+from specdec.models.runner import ModelRunner, Sequence
 
 
 def draft_tokens(

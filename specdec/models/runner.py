@@ -7,10 +7,11 @@ import dataclasses
 import logging
 import os
 import pathlib
+
 import torch
 
-from specdec.models import kv_cache
 from specdec.core.vocabulary import check_token_ids
+from specdec.models import kv_cache
 from specdec.models.lean_llama import LeanLlama, unsupported_reason
 from specdec.models.tokenizer import load_tokenizer, vocabulary_fingerprint
 

@@ -44,7 +44,7 @@ from specdec.serving.server import (
     setup_logging,
 )
 from specdec.serving.sessions import SessionStore
-from specdec.telemetry.observe import ServiceTelemetry, start_telemetry
+from specdec.telemetry.setup import ServiceTelemetry, start_telemetry
 from specdec.serving.timing import ServerTiming
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.models import bundled, kv_cache
-from specdec.serving.config import ServiceConfig
 from specdec.models.lean_llama import LeanCache, LeanLlama, unsupported_reason
 from specdec.models.runner import ModelRunner
+from specdec.serving.config import DraftConfig, TargetConfig
 from specdec.serving.model_host import ModelHost
+
 from tiny_models import TEST_DEVICE
 
 
@@ -122,7 +123,7 @@ def test_only_the_draft_service_runs_lean(role, lean):
     import asyncio
 
     async def load():
-        host = ModelHost(ServiceConfig(role=role, port=0, lean_forward=True))
+        host = ModelHost(DraftConfig(port=0, lean_forward=True) if role == "draft" else TargetConfig(port=0))
         await host.load()
         host.close()
         return host.runner.lean

@@ -15,10 +15,10 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec import SamplingParams, SpeculativeDecoder
-from specdec.models.runner import ModelRunner, Sequence
-from specdec.core.sampling import process_logits
 import specdec.models.local
+from specdec import SamplingParams, SpeculativeDecoder
+from specdec.core.sampling import process_logits
+from specdec.models.runner import ModelRunner, Sequence
 
 PROMPT = [3, 1, 4]
 # 20,000 draws per setting here and in CI; the GPU check (docs/gpu-check.md), where

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 PACKAGE_OUT = ROOT / "specdec" / "proto"
 
@@ -57,7 +57,8 @@ def test_a_changed_proto_is_detected_and_regenerated(tmp_path):
 
 
 def test_generated_package_imports_and_registers_canonical_names():
-    from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+    from specdec.proto import specdec_pb2 as pb
+    from specdec.proto import specdec_pb2_grpc as pb_grpc
 
     assert pb.DESCRIPTOR.name == "specdec/v1/specdec.proto"
     assert pb.DESCRIPTOR.services_by_name["DraftService"].full_name == "specdec.v1.DraftService"

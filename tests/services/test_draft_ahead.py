@@ -18,14 +18,14 @@ import torch
 from draft_service.servicer import add_to_server
 from service_harness import LoopThread, channel, start_service
 from specdec.serving import convert as pc
-from specdec.serving.config import ServiceConfig
+from specdec.serving.config import DraftConfig
 from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
 from specdec.telemetry.metrics import ServiceMetrics
 from specdec.models.runner import ModelRunner
 from specdec.serving.model_host import ModelHost, start_model_service
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.core.sampling import SamplingParams
-from specdec.telemetry.observe import ServiceTelemetry
+from specdec.telemetry.setup import ServiceTelemetry
 from specdec.serving.timing import ServerTiming
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -211,7 +211,7 @@ def test_background_work_yields_to_the_next_call():
     """A call's work queued behind background work stops it at its next step."""
 
     async def main():
-        host = ModelHost(ServiceConfig(role="draft", port=0))
+        host = ModelHost(DraftConfig(port=0))
         started, order = threading.Event(), []
 
         def background(timing, stop):
@@ -238,7 +238,7 @@ def test_background_work_counts_in_the_service_metrics():
     from specdec.telemetry.metrics import ServiceMetrics
 
     async def main():
-        host = ModelHost(ServiceConfig(role="draft", port=0))
+        host = ModelHost(DraftConfig(port=0))
         host.metrics = ServiceMetrics("draft")
         host.runner = types.SimpleNamespace(tokens_run=0, device=torch.device("cpu"))
         done = threading.Event()
@@ -277,8 +277,7 @@ def settle(service):
 @pytest.mark.parametrize("ahead", [True, False], ids=["draft-ahead", "no-draft-ahead"])
 def test_service_answers_a_guessed_round_without_running_the_model(loop, tiny_pair, draft, ahead):
     metrics = ServiceMetrics("draft")
-    config = ServiceConfig.load("draft", {"model": str(tiny_pair[1]), "host": "127.0.0.1", "port": 0,
-                                          "draft_ahead": ahead}, environ={})
+    config = DraftConfig(model=str(tiny_pair[1]), host="127.0.0.1", port=0, draft_ahead=ahead)
     service, _ = loop.call(start_model_service(config, add_to_server, telemetry=ServiceTelemetry("draft", metrics)))
     try:
         with channel(service) as ch:

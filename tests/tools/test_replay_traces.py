@@ -9,7 +9,7 @@ import pytest
 from specdec.core.gamma import HeuristicGamma, RoundCost, StaticGamma
 
 _SPEC = importlib.util.spec_from_file_location(
-    "replay_greedy_traces", pathlib.Path(__file__).parents[1] / "scripts" / "replay_greedy_traces.py")
+    "replay_greedy_traces", pathlib.Path(__file__).parents[2] / "scripts" / "replay_greedy_traces.py")
 replay_script = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(replay_script)
 

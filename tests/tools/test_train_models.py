@@ -117,5 +117,5 @@ def test_an_interrupted_phase_resumes_bit_for_bit(tmp_path):
     resumed = tiny_model(seed=99)  # different init: everything must come from the checkpoint
     summary = tm.train_phase(resumed, tm.lm_loss, tm.WindowSampler(tokens, 2, 3, seq_len=16), spec, tmp_path / "b.ckpt")
     assert summary["steps"] == 4
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
