@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma-policy", default="", metavar="POLICY",
                    help="(--coordinator) static:N | heuristic | adaptive (default: the coordinator's)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="(--coordinator) stop string, may repeat; output ends before it")
+                   help="stop string, may repeat; output ends before it")
     p.add_argument("--draft-top-k", type=int, default=None, metavar="K",
                    help="under sampling the draft samples from its top K tokens and sends only those (exact); "
                         f"0 = its whole distribution. Default: {DEFAULT_DRAFT_TOP_K} with --local, the "
@@ -57,7 +57,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 LOCAL_ONLY = ("target", "draft", "gamma", "device")  # a coordinator's services have their own
-REMOTE_ONLY = ("session", "gamma_policy", "stop")
+REMOTE_ONLY = ("session", "gamma_policy")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +102,8 @@ def _run_local(args: argparse.Namespace) -> int:
     )
     top_k = {} if args.draft_top_k is None else {"draft_top_k": args.draft_top_k}
     gamma = 4 if args.gamma is None else args.gamma
-    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=gamma, **top_k)
+    out = dec.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, gamma=gamma,
+                       stop=args.stop, **top_k)
     if args.json:
         record = {
             "token_ids": out.token_ids,

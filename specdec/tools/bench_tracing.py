@@ -1,14 +1,16 @@
 """``specdec bench-tracing``: tokens/s with tracing exporting vs tracing off, in one run.
 
 Identical stacks (draft, target, coordinator: three processes each) start side
-by side from the same models: ``--stacks`` with nothing configured ("off") and as
-many exporting every span over OTLP/gRPC (to a receiver in this process) and/or
-to a JSON-lines trace file, with the SDK's default batching ("on"). The same
+by side from the same models: ``--stacks`` with nothing configured ("off") and,
+for each sampling ratio of ``--sample`` (default: every request, and the
+recommended production setting ``parentbased_traceidratio`` 0.05), as many
+exporting over OTLP/gRPC (to a receiver in this process) and/or to a JSON-lines
+trace file, with the SDK's default batching ("on", "on@0.05"). The same
 greedy request then goes to each stack in turn, in blocks of ``--block``
-requests, the order reversed every other round (off-1, on-1, off-2, on-2, then
-on-2, off-2, on-1, off-1, ...), so that drift (thermal, other load) hits both
-modes alike and the traced stacks' batch exports (every 512 spans or 5 s) land
-inside their own blocks; the medians of client-observed tokens/s are compared.
+requests, the order reversed every other round (off-1, on-1, on@0.05-1, off-2,
+..., then back), so that drift (thermal, other load) hits every mode alike and
+the traced stacks' batch exports (every 512 spans or 5 s) land inside their own
+blocks; the medians of client-observed tokens/s are compared.
 Two stacks per mode, because two *identical* stacks on a shared machine differ
 by a few %: the bench prints how far the stacks of one mode differ (the noise
 floor of the comparison) next to the ratio. Because wall-clock rates swing with
@@ -45,6 +47,22 @@ TRACING_ENV = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPO
                "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SDK_DISABLED",
                "SPECDEC_TRACE_FILE", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_TRACES_SAMPLER",
                "OTEL_TRACES_SAMPLER_ARG")
+RECOMMENDED_RATIO = 0.05  # docs/observability.md: parent-based ratio sampling in production
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers in (0, 1]") from None
+    if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"{text!r}: every ratio must be in (0, 1]")
+    return ratios
+
+
+def mode_of(ratio: float) -> str:
+    """The name of the traced mode recording ``ratio`` of the requests."""
+    return "on" if ratio >= 1.0 else f"on@{ratio:g}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,9 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exporter", choices=["both", "otlp", "file", "none"], default="otlp",
                    help="what the traced stack exports to: OTLP/gRPC, the trace file, or both (default otlp); "
                         "'none' configures nothing: an A/A run that shows the bench's own noise")
-    p.add_argument("--sample", type=float, default=1.0, metavar="RATIO",
-                   help="fraction of requests the traced stack records (OTEL_TRACES_SAMPLER=parentbased_traceidratio; "
-                        "default 1.0: every request)")
+    p.add_argument("--sample", type=_ratios, default=[1.0, RECOMMENDED_RATIO], metavar="RATIOS",
+                   help="comma-separated fractions of requests the traced stacks record, one traced mode each "
+                        "(OTEL_TRACES_SAMPLER=parentbased_traceidratio below 1; default "
+                        f"1,{RECOMMENDED_RATIO:g}: every request, and the recommended production ratio)")
     p.add_argument("--workdir", default=None, metavar="DIR", help="logs and the trace file (default: a temp dir)")
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="CPUs every process is pinned to: 'per-service' (draft on the first CPU; target, "
@@ -134,9 +153,21 @@ def _start(name: str, env: dict[str, str], args, target, draft, workdir: pathlib
                      log=workdir / f"{name}.log", cpus=cpus)
 
 
-def stack_names(per_mode: int) -> list[str]:
+def stack_names(per_mode: int, modes: tuple[str, ...] = ("off", "on")) -> list[str]:
     """off-1, on-1, off-2, on-2, ..."""
-    return [f"{mode}-{i}" for i in range(1, per_mode + 1) for mode in ("off", "on")]
+    return [f"{mode}-{i}" for i in range(1, per_mode + 1) for mode in modes]
+
+
+def traced_env(ratio: float, exporter: str, endpoint: str, trace_file: pathlib.Path) -> dict[str, str]:
+    """The environment of a stack tracing ``ratio`` of the requests."""
+    env = {}
+    if ratio < 1.0:
+        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio))
+    if exporter in ("both", "otlp"):
+        env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    if exporter in ("both", "file"):
+        env["SPECDEC_TRACE_FILE"] = str(trace_file)
+    return env
 
 
 def serving_order(names: list[str], requests: int, block: int) -> list[tuple[int, str]]:
@@ -192,26 +223,16 @@ def run(args: argparse.Namespace) -> int:
         request["prompt"] = args.prompt
 
     receiver = OtlpReceiver(keep=False).start()  # counts spans: a collector's work is not the services'
-    traced_env = {}
-    if not 0.0 <= args.sample <= 1.0:
-        raise ValueError(f"--sample must be in [0, 1], got {args.sample}")
-    if args.sample < 1.0:
-        traced_env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(args.sample))
-    if args.exporter in ("both", "otlp"):
-        traced_env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-                          OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
-    if args.exporter in ("both", "file"):
-        traced_env["SPECDEC_TRACE_FILE"] = str(trace_file)
     if args.stacks < 1 or args.block < 1 or args.requests < 1:
         raise ValueError("--stacks, --block and --requests must be at least 1")
-    names = stack_names(args.stacks)
+    env = {"off": {}} | {mode_of(r): traced_env(r, args.exporter, receiver.endpoint, trace_file) for r in args.sample}
+    names = stack_names(args.stacks, tuple(env))
     per_stack = -(-args.requests // args.stacks)
     order = serving_order(names, per_stack, args.block)
     stacks = {}
     try:
         for name in names:
-            stacks[name] = _start(name, traced_env if name.startswith("on") else {}, args, target, draft, workdir,
-                                  roles)
+            stacks[name] = _start(name, env[_mode(name)], args, target, draft, workdir, roles)
         for stack in stacks.values():
             stack.wait_serving()
         clients = {name: Client(s.address("coordinator")) for name, s in stacks.items()}
@@ -244,48 +265,58 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mode(name: str) -> str:
-    return name.split("-", 1)[0]
+    return name.rsplit("-", 1)[0]
 
 
 def report(args, served: list[tuple[int, str, float]], generated: dict[str, int],
            role_cpu: dict[str, dict[str, float | None]], tokens: int, where: str) -> None:
-    """Print the comparison: medians per mode and per stack, the ratio per round of
-    the serving order with its spread, and CPU per token by process."""
-    rates = {m: [r for _, n, r in served if _mode(n) == m] for m in ("off", "on")}
-    by_stack: dict[str, list[float]] = {}
-    for _, name, rate in served:
-        by_stack.setdefault(name, []).append(rate)
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    rounds = sorted({r for r, _, _ in served})
-    per_round = [statistics.mean(x for r, n, x in served if r == k and _mode(n) == "on")
-                 / statistics.mean(x for r, n, x in served if r == k and _mode(n) == "off") for k in rounds]
-    sampled = "" if args.sample >= 1.0 else f", {args.sample:g} sampled"
+    """Print the comparison: medians per mode and per stack, each traced mode's
+    ratio to "off" (medians, and per round of the serving order with its
+    spread), the noise floor, and CPU per token by process."""
+    modes = list(dict.fromkeys(_mode(n) for _, n, _ in served))
+    rates = {m: [r for _, n, r in served if _mode(n) == m] for m in modes}
     print(f"tracing overhead: {len(rates['off'])} requests per mode of {tokens} tokens each ({args.gamma_policy}, "
           f"greedy) over {args.stacks} stack(s) per mode, blocks of {args.block} in ABBA order; {where}")
-    for mode, label in (("off", "tracing off"), ("on", f"tracing on ({args.exporter}{sampled}) exporting")):
-        stacks = ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in by_stack.items() if _mode(n) == mode)
+    for mode in modes:
+        stacks = ", ".join(f"{n} {statistics.median(r for _, s, r in served if s == n):.1f}"
+                           for n in dict.fromkeys(n for _, n, _ in served) if _mode(n) == mode)
+        label = "tracing off" if mode == "off" else f"{mode} ({args.exporter}) exporting"
         print(f"  {label:34s} {statistics.median(rates[mode]):8.1f} tok/s  (median; min {min(rates[mode]):.1f}, "
               f"max {max(rates[mode]):.1f}; per stack: {stacks})")
-    print(f"  ratio on/off: {on / off:.3f} (medians)")
-    if len(per_round) > 1:
-        mean, half = statistics.mean(per_round), 2 * statistics.stdev(per_round) / len(per_round) ** 0.5
-        print(f"  ratio per round of the order: mean {mean:.3f} ± {half:.3f} (2 standard errors, {len(per_round)} "
-              f"rounds): " + " ".join(f"{r:.3f}" for r in per_round))
-    for mode in ("off", "on"):
-        mine = [statistics.median(v) for n, v in by_stack.items() if _mode(n) == mode]
+    for mode in modes[1:]:
+        _print_ratio(mode, served, rates)
+    for mode in modes:
+        mine = [statistics.median(r for _, s, r in served if s == n) for n in role_cpu if _mode(n) == mode]
         if len(mine) > 1:
             print(f"  noise floor: the {mode} stacks' medians differ by {100 * (max(mine) / min(mine) - 1):.1f}% "
                   "(identical stacks, same requests)")
-    cpu = {m: [c for n, roles in role_cpu.items() if _mode(n) == m for c in roles.values()] for m in ("off", "on")}
-    if all(cpu[m] and None not in cpu[m] for m in cpu):
-        made = {m: sum(g for n, g in generated.items() if _mode(n) == m) for m in ("off", "on")}
-        per_cpu = {m: made[m] / sum(cpu[m]) for m in cpu}
-        print(f"  CPU of the services: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu['on']:.1f} on: "
-              f"ratio {per_cpu['on'] / per_cpu['off']:.3f} (exporters' threads included; not the receiver)")
-        roles = next(iter(role_cpu.values())).keys()
-        ms = {m: {role: 1e3 * sum(role_cpu[n][role] for n in role_cpu if _mode(n) == m) / made[m] for role in roles}
-              for m in ("off", "on")}
-        print("  CPU ms per token, off -> on: " + ", ".join(f"{r} {ms['off'][r]:.2f} -> {ms['on'][r]:.2f}"
+    _print_cpu(modes, generated, role_cpu)
+
+
+def _print_ratio(mode: str, served: list[tuple[int, str, float]], rates: dict[str, list[float]]) -> None:
+    per_round = [statistics.mean(x for r, n, x in served if r == k and _mode(n) == mode)
+                 / statistics.mean(x for r, n, x in served if r == k and _mode(n) == "off")
+                 for k in sorted({r for r, _, _ in served})]
+    print(f"  ratio {mode}/off: {statistics.median(rates[mode]) / statistics.median(rates['off']):.3f} (medians)")
+    if len(per_round) > 1:
+        mean, half = statistics.mean(per_round), 2 * statistics.stdev(per_round) / len(per_round) ** 0.5
+        print(f"    per round of the order: mean {mean:.3f} ± {half:.3f} (2 standard errors, {len(per_round)} "
+              f"rounds): " + " ".join(f"{r:.3f}" for r in per_round))
+
+
+def _print_cpu(modes: list[str], generated: dict[str, int], role_cpu: dict[str, dict[str, float | None]]) -> None:
+    cpu = {m: [c for n, roles in role_cpu.items() if _mode(n) == m for c in roles.values()] for m in modes}
+    if not all(cpu[m] and None not in cpu[m] for m in cpu):
+        return
+    made = {m: sum(g for n, g in generated.items() if _mode(n) == m) for m in modes}
+    per_cpu = {m: made[m] / sum(cpu[m]) for m in cpu}
+    roles = next(iter(role_cpu.values())).keys()
+    ms = {m: {role: 1e3 * sum(role_cpu[n][role] for n in role_cpu if _mode(n) == m) / made[m] for role in roles}
+          for m in modes}
+    for mode in modes[1:]:
+        print(f"  CPU of the services, {mode}: {per_cpu['off']:.1f} tokens per CPU-second off, {per_cpu[mode]:.1f} "
+              f"on: ratio {per_cpu[mode] / per_cpu['off']:.3f} (exporters' threads included; not the receiver); "
+              "CPU ms per token, off -> on: " + ", ".join(f"{r} {ms['off'][r]:.2f} -> {ms[mode][r]:.2f}"
                                                           for r in roles))
 
 
