@@ -1,12 +1,16 @@
-"""The coordinator: drives speculative rounds between a draft service and a target
-service and streams completions to clients (DESIGN §1–§2).
+"""The coordinator: drives speculative rounds between a draft service and a
+target service and streams completions to clients.
 
-* :mod:`coordinator.engine` — validation, sessions, the core round loop with
-  remote proposer/verifier, text deltas and stop strings;
+* :mod:`coordinator.engine` — the pipeline of one Generate: the pieces below,
+  wired, inside a span;
+* :mod:`coordinator.requests` — a client's request in core types, and its checks;
+* :mod:`coordinator.pair` — what the two services serve, checked to work together;
+* :mod:`coordinator.leases` — one request per session at a time;
+* :mod:`coordinator.learned_gamma` — what adaptive γ learnt, for the next request;
+* :mod:`coordinator.turn` — one turn on one session: rounds, commit or roll back, stats;
 * :mod:`coordinator.remote` — gRPC clients of the two services shaped as the
   round loop's Proposer / Verifier (deadlines, round ids, re-pre-fill on eviction);
-* :mod:`coordinator.directory` — the session directory (in memory; Redis later);
-* :mod:`specdec.core.text` — incremental detokenisation and stop strings;
+* :mod:`coordinator.directory` — the session directory (in memory);
 * :mod:`coordinator.service` / :mod:`coordinator.server` — the gRPC servicer and
   the ``specdec coordinator`` process.
 """

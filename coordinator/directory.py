@@ -4,11 +4,11 @@ A session's KV caches live in the draft and target services; the directory holds
 everything needed to *rebuild* them (the token history) and to continue the
 conversation (sampling parameters, how far each side is known to be in sync).
 Because the history is here, a service that evicted a session costs a re-pre-fill,
-never a different output (DESIGN §2).
+never a different output.
 
-The interface is three calls on a whole record, so that a shared store (Redis, in
-a later issue) can implement it with plain get/set/delete of one serialised value
-and any coordinator replica can continue any session.
+The interface is three calls on a whole record, so that a shared store can
+implement it with plain get/set/delete of one serialised value and any
+coordinator replica can continue any session.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SessionRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SessionRecord":
+    def from_dict(cls, data: dict) -> SessionRecord:
         return cls(**data)
 
 

@@ -27,12 +27,7 @@ import os
 import pathlib
 import threading
 import time
-from typing import Iterator
-
-from specdec.serving import errors
-from specdec.serving.config import CoordinatorConfig
-from specdec.serving.stats import GenerationStats
-from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
+from collections.abc import Iterator
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory
 from coordinator.learned_gamma import LearnedGamma, regime
@@ -41,6 +36,10 @@ from coordinator.pair import PairInfo, PairRegistry
 from coordinator.remote import ServiceClient
 from coordinator.requests import Delta, GenerateJob, Request, RequestCheck
 from coordinator.turn import Services, Turn
+from specdec.serving import errors
+from specdec.serving.config import CoordinatorConfig
+from specdec.serving.stats import GenerationStats
+from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
 
 log = logging.getLogger("specdec.coordinator")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from specdec.serving import errors
 

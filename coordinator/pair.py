@@ -13,13 +13,12 @@ import dataclasses
 import logging
 import pathlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
+from coordinator.remote import ServiceClient
 from specdec.core.vocabulary import check_same_vocabulary
 from specdec.models.tokenizer import vocabulary_fingerprint
 from specdec.serving import errors
-
-from coordinator.remote import ServiceClient
 
 log = logging.getLogger("specdec.coordinator")
 

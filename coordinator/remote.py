@@ -19,18 +19,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
-from specdec.serving import errors, convert as conv
+from specdec.core.interfaces import DraftToken, SessionState, Verdict
+from specdec.core.sampling import SamplingParams
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert as conv
+from specdec.serving import errors
 from specdec.serving.server import DRAFT_SERVICE, TARGET_SERVICE
 from specdec.telemetry.calls import ClientCalls, RpcRecord
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.core.interfaces import DraftToken, SessionState
-from specdec.core.sampling import SamplingParams
-from specdec.core.interfaces import Verdict
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -39,7 +40,7 @@ log = logging.getLogger("specdec.coordinator")
 # couple of seconds instead of after gRPC's default backoff of up to two minutes.
 # Read Propose's stream on the calling thread: by default grpc starts a thread
 # per streaming call and hands every message over to the reader, ~0.2 ms of the
-# coordinator's CPU per round (docs/benchmarks.md, tracing overhead).
+# coordinator's CPU per round.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -209,21 +210,31 @@ class _Retries:
         return None
 
 
-class RemoteProposer:
-    """The draft service as a :class:`specdec.core.rounds.Proposer` for one session."""
+@dataclasses.dataclass
+class RemoteSession:
+    """What the proposer and the verifier of one turn share: the session's name
+    in the services, its committed state, its round ids, and what to check
+    before re-pre-filling a service that lost it (may raise: see _Retries)."""
 
-    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
-                 before_refill=lambda: None):
-        self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
-        self.before_refill = before_refill  # may raise: see _Retries
+    key: str
+    state: SessionState
+    ids: RoundIds
+    before_refill: Callable[[], None] = lambda: None
+
+
+class RemoteProposer:
+    """The draft service as a :class:`specdec.core.interfaces.Proposer` for one session."""
+
+    def __init__(self, client: ServiceClient, session: RemoteSession, stats: SideStats, draft_top_k: int = 0):
+        self.client, self.session, self.stats, self.draft_top_k = client, session, stats, draft_top_k
 
     def propose(
-        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams, draft_top_k: int
+        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams
     ) -> Iterator[DraftToken]:
-        retries = _Retries(self.before_refill)
+        retries = _Retries(self.session.before_refill)
         while True:
             request = conv.propose_request(
-                self.session_id, self.ids.next_id, position, new_tokens, gamma, params, draft_top_k
+                self.session.key, self.session.ids.next_id, position, new_tokens, gamma, params, self.draft_top_k
             )
             yielded = received = 0
             try:
@@ -241,12 +252,12 @@ class RemoteProposer:
                         yield DraftToken(message.token, message.q if message.HasField("q") else None)
                 return
             except grpc.RpcError as e:
-                action = None if yielded else retries.after(e, position, self.client, self.session_id)
+                action = None if yielded else retries.after(e, position, self.client, self.session.key)
                 if action is None:
                     raise self.client.translate(e, "Propose") from None
                 if action == "refill":
-                    new_tokens = self.state.tokens[:position] + list(new_tokens)
-                    position = self.state.draft_synced = 0
+                    new_tokens = self.session.state.tokens[:position] + list(new_tokens)
+                    position = self.session.state.draft_synced = 0
 
     def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool, waited_s: float,
                  sent: int, received: int) -> RpcRecord:
@@ -260,19 +271,18 @@ class RemoteProposer:
 
 
 class RemoteVerifier:
-    """The target service as a :class:`specdec.core.rounds.Verifier` for one session."""
+    """The target service as a :class:`specdec.core.interfaces.Verifier` for one session."""
 
-    def __init__(self, client: ServiceClient, session_id: str, state: SessionState, ids: RoundIds, stats: SideStats,
-                 before_refill=lambda: None):
-        self.client, self.session_id, self.state, self.ids, self.stats = client, session_id, state, ids, stats
-        self.before_refill = before_refill  # may raise: see _Retries
+    def __init__(self, client: ServiceClient, session: RemoteSession, stats: SideStats):
+        self.client, self.session, self.stats = client, session, stats
 
     def verify(
         self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
     ) -> Verdict:
-        retries = _Retries(self.before_refill)
+        retries = _Retries(self.session.before_refill)
         while True:
-            request = conv.verify_request(self.session_id, self.ids.next_id, position, new_tokens, drafts, params)
+            request = conv.verify_request(self.session.key, self.session.ids.next_id, position, new_tokens, drafts,
+                                          params)
             try:
                 with self.client.calls.call("Verify") as call:
                     started = time.perf_counter()
@@ -283,16 +293,16 @@ class RemoteVerifier:
                     call.record(record)
                 break
             except grpc.RpcError as e:
-                action = retries.after(e, position, self.client, self.session_id)
+                action = retries.after(e, position, self.client, self.session.key)
                 if action is None:
                     raise self.client.translate(e, "Verify") from None
                 if action == "refill":
-                    new_tokens = self.state.tokens[:position] + list(new_tokens)
-                    position = self.state.target_synced = 0
+                    new_tokens = self.session.state.tokens[:position] + list(new_tokens)
+                    position = self.session.state.target_synced = 0
         s = self.stats
         if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.refills += retries.refilled
         s.calls.append(record)
-        self.ids.next_id += 1  # Verify ends the round
+        self.session.ids.next_id += 1  # Verify ends the round
         return Verdict(accepted=response.accepted, next_token=response.next_token)

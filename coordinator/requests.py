@@ -6,14 +6,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from coordinator.pair import PairInfo
 from specdec.core import gamma as gamma_policies
 from specdec.core.gamma import GammaPolicy
 from specdec.core.sampling import SamplingParams
 from specdec.core.vocabulary import check_token_ids
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
-
-from coordinator.pair import PairInfo
 
 MAX_SESSION_ID_LEN = 256
 

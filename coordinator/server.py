@@ -63,11 +63,11 @@ class RunningCoordinator:
     """A started coordinator (for ``run`` below, ``specdec serve`` and tests)."""
 
     server: GrpcServer
-    engine: "object"
+    engine: object
     executor: concurrent.futures.ThreadPoolExecutor
     port: int
     telemetry: ServiceTelemetry | None = None
-    servicer: "object" = None
+    servicer: object = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
@@ -101,10 +101,9 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
     pair that is not up yet is checked again at the first request). ``telemetry``
     adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
-    from specdec.models.tokenizer import load_tokenizer
-
     from coordinator.engine import Coordinator
     from coordinator.service import CoordinatorServicer
+    from specdec.models.tokenizer import load_tokenizer
 
     tok_dir = tokenizer_dir(config)
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None

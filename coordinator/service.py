@@ -17,10 +17,11 @@ import contextvars
 import logging
 import threading
 
-from specdec.serving import errors, convert as conv
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-
 from coordinator.engine import Coordinator, Delta, GenerateJob
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert as conv
+from specdec.serving import errors
 from specdec.serving.stats import GenerationStats
 
 log = logging.getLogger("specdec.coordinator")

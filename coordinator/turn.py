@@ -19,19 +19,18 @@ import logging
 import threading
 import time
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
+from coordinator.directory import SessionDirectory, SessionRecord
+from coordinator.pair import PairInfo, PairRegistry
+from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, ServiceClient, SideStats
+from coordinator.requests import Delta, Request
 from specdec.core.gamma import StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SessionState
 from specdec.core.rounds import Limits, run_rounds
 from specdec.core.text import TextStream
 from specdec.serving import errors
 from specdec.serving.stats import GenerationStats
-
-from coordinator.directory import SessionDirectory, SessionRecord
-from coordinator.pair import PairInfo, PairRegistry
-from coordinator.remote import RemoteProposer, RemoteVerifier, RoundIds, ServiceClient, SideStats
-from coordinator.requests import Delta, Request
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -114,14 +113,14 @@ class Turn:
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
-        same_pair = lambda: services.pairs.check_unchanged(pair)  # noqa: E731
+        session = RemoteSession(self.key, self.state, self.ids, lambda: services.pairs.check_unchanged(pair))
         proposer = None
         if self.drafting:
-            proposer = RemoteProposer(services.draft, self.key, self.state, self.ids, self.draft_stats, same_pair)
-        verifier = RemoteVerifier(services.target, self.key, self.state, self.ids, self.target_stats, same_pair)
+            proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k)
+        verifier = RemoteVerifier(services.target, session, self.target_stats)
         limits = Limits(req.job.max_new_tokens, pair.context, pair.eos_token_ids, text)
         return run_rounds(proposer, verifier, self.state, params=req.params, gamma_policy=req.policy,
-                          limits=limits, draft_top_k=req.draft_top_k, observer=services.observer)
+                          limits=limits, observer=services.observer)
 
     def _settle(self, done: bool) -> None:
         """Commit the turn to the session's history, or leave it as it was and

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
-from specdec.serving import convert as pc
-from specdec.models.local import draft_ahead, draft_tokens, held_tokens, new_draft_sequence
-from specdec.serving.model_host import ModelHost, sampling_key
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.core.interfaces import DraftToken
+from specdec.models.local import draft_ahead, draft_tokens, held_tokens, new_draft_sequence
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert as pc
+from specdec.serving.model_host import ModelHost, sampling_key
 from specdec.serving.timing import ServerTiming
-
 
 # Drafting ahead goes this many drafts beyond the round it bets on: room for the
 # heuristic schedule's +2 after a fully accepted round.
@@ -51,7 +51,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 """Draft on the executor; returns how many drafts were made ahead and reused."""
                 ahead = session.state.ahead  # read here: drafting ahead may have run since the call came in
                 for draft in steps:
-                    loop.call_soon_threadsafe(drafted.put_nowait, DraftToken(draft.token, host.to_host(draft.q, timing)))
+                    on_host = DraftToken(draft.token, host.to_host(draft.q, timing))
+                    loop.call_soon_threadsafe(drafted.put_nowait, on_host)
                 return ahead.reused if ahead is not None else 0
 
             job = asyncio.ensure_future(host.run(timing, draft_all))

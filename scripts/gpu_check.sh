@@ -33,7 +33,7 @@ EOF
 SPECDEC_TEST_DEVICE=$DEVICE SPECDEC_LOSSLESS_SAMPLES=5000 timeout -k 10 240 "$PYTHON" -m pytest -q \
     -p no:cacheprovider --durations=8 \
     tests/models/test_kv_cache.py tests/models/test_lean_llama.py tests/models/test_decoder.py \
-    tests/models/test_bundled_pair.py tests/models/test_lossless.py tests/test_services.py 2>&1 | tee "$RESULTS/pytest.log"
+    tests/models/test_bundled_pair.py tests/models/test_lossless.py tests/services/test_services.py 2>&1 | tee "$RESULTS/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags

@@ -16,7 +16,7 @@ held-out prompts (the bench's prompts first), then replays over those traces:
   the best pair (γ after a fully accepted round, γ after any other) — acceptance
   is bursty, which is what the heuristic's +2/−1 bets on — and the best early
   stop on draft confidence (a cap γ, drafting stops after the first draft whose
-  top probability is below τ; DESIGN §4's complement).
+  top probability is below τ; a complement to choosing γ).
 
 Rounds cost what :class:`specdec.core.gamma.RoundCost` says with per-token figures
 measured on the pair (``specdec eval-pair``; verify slope from timing the
@@ -165,7 +165,7 @@ def main() -> None:
                    help="draft per token (1.04: Hugging Face's forward, eval-pair; 0.63: the lean forward)")
     p.add_argument("--verify-slope-ms", type=float, default=0.6, help="target pass per extra token (measured 0.63)")
     p.add_argument("--call-overhead-ms", type=float, default=1.0,
-                   help="per call in distributed rows: gRPC in Python, both ends (docs/benchmarks.md)")
+                   help="per call in distributed rows: gRPC in Python, both ends")
     p.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 2, 10, 30], help="added RTTs (default 0 2 10 30)")
     p.add_argument("--draft-ahead", action="store_true",
                    help="distributed rows: the draft service drafts ahead (its default; see replay)")

@@ -1,7 +1,13 @@
 """specdec: distributed speculative decoding.
 
-The core package: sampling and verification math, model loading, the KV-cache
-adapter, the round loop, γ policies, and the in-process decoder.
+Layers, each importing only those below it: ``specdec.core`` (sampling and
+verification math, the round loop, γ policies, the interfaces),
+``specdec.models`` (model runner, KV-cache adapter, local proposer and
+verifier, the in-process decoder), ``specdec.telemetry`` (traces and metrics),
+``specdec.serving`` (what the gRPC services share, and the client), then the
+services (``draft_service``, ``target_service``, ``coordinator``) and the
+command line. ``specdec.tools`` (benchmarks, training, network emulation) is
+not the runtime. See docs/architecture.md.
 
 The names below are imported on first use (PEP 562), not with the package: the
 decoder pulls in torch and transformers, seconds of start-up that ``specdec

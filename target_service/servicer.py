@@ -8,12 +8,13 @@ service in :mod:`specdec.serving.model_host`.
 
 from __future__ import annotations
 
+from specdec.core.interfaces import DraftToken
+from specdec.models.local import verify_drafts
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
 from specdec.serving.errors import InvalidRequest
-from specdec.models.local import verify_drafts
 from specdec.serving.model_host import ModelHost, sampling_key
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.core.interfaces import DraftToken
 from specdec.serving.timing import ServerTiming
 
 
@@ -37,7 +38,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             timing = ServerTiming()
 
             def work():
-                drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs)]
+                drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs, strict=True)]
                 return verify_drafts(host.runner, session.state, request.position, new_tokens, drafts, params)
 
             verdict = await host.run(timing, work)
@@ -55,7 +56,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             )
         vocab = self.host.runner.vocab_size
         qs = []
-        for i, (token, msg) in enumerate(zip(tokens, request.draft_q)):
+        for i, (token, msg) in enumerate(zip(tokens, request.draft_q, strict=True)):
             q = pc.dist_from_proto(msg, vocab, f"draft_q[{i}]")
             if pc.dist_prob(q, token) <= 0:
                 raise InvalidRequest(f"draft_q[{i}] gives draft token {token} probability 0")

@@ -6,9 +6,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from tiny_models import TEST_DEVICE, make_noisy_copy, make_tiny_llama  # noqa: E402
-
 from transformers.utils import logging as hf_logging  # noqa: E402
+
+from tiny_models import TEST_DEVICE, make_noisy_copy, make_tiny_llama  # noqa: E402
 
 hf_logging.disable_progress_bar()
 

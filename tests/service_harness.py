@@ -10,6 +10,7 @@ import grpc
 
 from specdec.serving.config import CONFIG_CLASSES
 from specdec.serving.model_host import RunningService, start_model_service
+
 from tiny_models import TEST_DEVICE
 
 

@@ -87,7 +87,8 @@ def summary(spec, base, policy: str, *, same: bool, greedy: bool) -> str:
         + (f"; drafted in {len(gammas)} of them (gamma {min(gammas)}-{max(gammas)})" if gammas else "; never drafted"),
         f"speculative   {spec.tokens_per_second:7.1f} tokens/s  ({spec.generated_tokens} tokens, {spec.rounds} rounds, "
         f"{tokens_per_round:.2f} tokens/round, {spec.elapsed_s:.2f} s)",
-        f"target only   {base.tokens_per_second:7.1f} tokens/s  ({base.generated_tokens} tokens, {base.elapsed_s:.2f} s)",
+        f"target only   {base.tokens_per_second:7.1f} tokens/s  ({base.generated_tokens} tokens, "
+        f"{base.elapsed_s:.2f} s)",
         f"speedup       {speedup:.2f}x",
     ]
     if greedy:

@@ -28,8 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--local", action="store_true", help="run both models in this process")
     where.add_argument("--coordinator", metavar="HOST:PORT", help="ask a running coordinator")
     p.add_argument("--target", default=None, help="target model directory (--local; default: bundled)")
-    p.add_argument("--draft", default=None, help="draft model directory (--local; default: bundled, 'none' = target only)")
-    p.add_argument("--gamma", type=int, default=None, help="drafted tokens per round (--local; default 4, 0 = target only)")
+    p.add_argument("--draft", default=None,
+                   help="draft model directory (--local; default: bundled, 'none' = target only)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="drafted tokens per round (--local; default 4, 0 = target only)")
     p.add_argument("--device", default=None, help="device for the models (--local; default cpu), e.g. cuda:0")
     p.add_argument("--session", default="", metavar="ID",
                    help="(--coordinator) continue the named session: the prompt is appended to its history")

@@ -8,7 +8,7 @@ what is left to generate. Three policies:
 * ``heuristic`` — Hugging Face assisted generation's schedule (+2 after a round
   whose drafts were all accepted, −1 otherwise);
 * ``adaptive`` — the γ maximising expected tokens per second under running
-  estimates of acceptance and of what each round costs (DESIGN §4).
+  estimates of acceptance and of what each round costs.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class _DecayingLine:
 
 @dataclasses.dataclass
 class AdaptiveGamma:
-    """Chooses γ each round to maximise E(γ) / round_time(γ) (DESIGN §4).
+    """Chooses γ each round to maximise E(γ) / round_time(γ).
 
     Estimates, all from timings the round loop measures anyway:
 
@@ -171,22 +171,19 @@ class AdaptiveGamma:
       draft off. Decay caps the evidence at ~33 rounds, so the margin never
       vanishes (~0.04 on α at half a standard error), and positions rarely
       tried get more of it. (Drafting at the γ the point estimates favour
-      instead measured worse in simulation at 10 ms: 0.95–0.99× the best
-      static γ against 0.97–1.00×.)
+      instead does worse near break-even: the simulation below shows it.)
     * too little seen: γ = 0 is not chosen while the first draft position has
       been tried fewer than ``min_trials`` times (decayed, carried evidence
       included); the policy drafts one token instead. Without it, a prompt
-      whose first two drafts fail switched a fresh policy off for the whole
-      request (``specdec demo``'s default prompt did, in about half its runs),
-      and the warm start carried that into the next request.
+      whose first two drafts fail would switch a fresh policy off for the
+      whole request, and the warm start would carry that into the next one.
     * a probe: after ``probe_every`` idle rounds, one draft (the cheapest
       question), so that a change in acceptance or cost is noticed; where a
       probe is expensive (a long round trip to the draft), not before its
       expected loss is at most ``probe_budget`` (1 %) of the time spent idle.
 
-    docs/benchmarks.md ("Adaptive γ near break-even") has the failures these
-    rules came from and what they measured; ``scripts/simulate_adaptive_gamma.py``
-    replays them in synthetic worlds.
+    ``scripts/simulate_adaptive_gamma.py`` checks these rules in synthetic
+    worlds near break-even.
 
     The verify slope keeps its last determined value while γ stays put (a
     constant γ cannot tell fixed from per-token cost; taking the slope as 0

@@ -48,11 +48,10 @@ class Verdict:
 
 
 class Proposer(Protocol):
-    def propose(
-        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams, draft_top_k: int
-    ) -> Iterator[DraftToken]:
+    def propose(self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams) -> Iterator[DraftToken]:
         """Roll back to ``position``, append ``new_tokens`` and draft ``gamma``
-        tokens, yielding each as soon as it is drafted."""
+        tokens, yielding each as soon as it is drafted (with the q it was
+        sampled from, under sampling: the proposer's own, e.g. its top-k)."""
 
 
 class Verifier(Protocol):

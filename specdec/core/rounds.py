@@ -61,7 +61,6 @@ def run_rounds(
     params: SamplingParams,
     gamma_policy: GammaPolicy,
     limits: Limits,
-    draft_top_k: int = 0,
     observer: RoundObserver = NO_OBSERVER,
 ) -> Iterator[RoundResult]:
     """Generate after ``state.tokens`` (which already ends with the prompt) until
@@ -77,7 +76,7 @@ def run_rounds(
         gamma = 0 if proposer is None else max(0, min(gamma_policy.choose(), room - 1))
         observer.round_started(index)
         try:
-            result = _one_round(proposer, verifier, state, gamma, params, draft_top_k)
+            result = _one_round(proposer, verifier, state, gamma, params)
             result = _commit(result, state, limits, limits.max_new_tokens - generated, room)
         except BaseException as e:
             observer.round_failed(e)
@@ -91,7 +90,7 @@ def run_rounds(
 
 
 def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionState, gamma: int,
-               params: SamplingParams, draft_top_k: int) -> RoundResult:
+               params: SamplingParams) -> RoundResult:
     """Draft γ tokens, verify them; the result's ``tokens`` are what the target
     accepted plus its own next token, not yet committed."""
     # Normally each side lacks just the last round's token; more is pre-fill.
@@ -101,8 +100,7 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
     drafts: list[DraftToken] = []
     first = None
     if gamma:
-        for draft in proposer.propose(state.draft_synced, state.tokens[state.draft_synced:], gamma, params,
-                                      draft_top_k):
+        for draft in proposer.propose(state.draft_synced, state.tokens[state.draft_synced:], gamma, params):
             drafts.append(draft)
             first = first or time.perf_counter() - t0
     t1 = time.perf_counter()

@@ -129,10 +129,10 @@ class SpeculativeDecoder:
         verifier = LocalVerifier(self.target, self.target.new_sequence())
         proposer = None
         if self.draft is not None and not (isinstance(gamma, int) and gamma == 0):
-            proposer = LocalProposer(self.draft, new_draft_sequence(self.draft))
+            proposer = LocalProposer(self.draft, new_draft_sequence(self.draft), draft_top_k)
         limits = Limits(max_new_tokens, context, frozenset(self.target.eos_token_ids), text)
         rounds = list(run_rounds(proposer, verifier, state, params=params, gamma_policy=policy, limits=limits,
-                                 draft_top_k=draft_top_k, observer=observer))
+                                 observer=observer))
         elapsed = time.perf_counter() - start
         token_ids = state.tokens[len(prompt_ids):]
         return GenerationOutput(

@@ -4,7 +4,7 @@ transformers is pinned exactly (see pyproject.toml) because this API moved insid
 5.x: ``DynamicCache.crop`` went from "keep this many tokens" to "remove this many
 tokens, given as a negative number", and the forward keyword went from
 ``past_key_values`` to ``cache``. Everything else in specdec calls the four
-functions below, and tests/test_kv_cache.py pins their behaviour.
+functions below, and tests/models/test_kv_cache.py pins their behaviour.
 
 A draft run through specdec.models.lean_llama holds a ``LeanCache`` instead (its own
 tensors, no transformers API); the functions here take either kind.

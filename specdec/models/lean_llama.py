@@ -11,7 +11,7 @@ Why it is safe: the draft's numerics never change what is generated. The target
 accepts or rejects each draft token against the probabilities the draft actually
 sampled it from (see specdec.core.verification), so any draft distribution q gives
 exactly the target's output. The target always runs through Hugging Face's own
-forward. Logits match Hugging Face's to float rounding (tests/test_lean_llama.py);
+forward. Logits match Hugging Face's to float rounding (tests/models/test_lean_llama.py);
 that only keeps the acceptance rate the same.
 
 Models this cannot run exactly as Hugging Face would (other architectures,

@@ -182,8 +182,10 @@ class LocalProposer:
     runner: ModelRunner
     seq: DraftSequence
 
-    def propose(self, position, new_tokens, gamma, params, draft_top_k):
-        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, draft_top_k)
+    draft_top_k: int = 0  # under sampling, draft from the top-k of q (0: all of it)
+
+    def propose(self, position, new_tokens, gamma, params):
+        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, self.draft_top_k)
 
 
 @dataclasses.dataclass

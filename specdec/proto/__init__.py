@@ -33,11 +33,12 @@ def _ensure_generated() -> None:
                 "specdec's gRPC modules are not generated and grpcio-tools is not installed: "
                 "pip install grpcio-tools (or pip install -e .)"
             ) from None
-        warnings.warn("grpcio-tools is not installed: cannot check the generated gRPC modules are current")
+        warnings.warn("grpcio-tools is not installed: cannot check the generated gRPC modules are current",
+                      stacklevel=2)
     except OSError as e:  # e.g. a read-only checkout
         if not _codegen.is_current(PROTO_ROOT, _HERE) and not _codegen.generated_dir(_HERE).is_dir():
             raise
-        warnings.warn(f"could not regenerate specdec's gRPC modules: {e}")
+        warnings.warn(f"could not regenerate specdec's gRPC modules: {e}", stacklevel=2)
 
 
 _ensure_generated()

@@ -3,7 +3,7 @@
 One implementation, used from three places: ``setup.py`` (the build writes the
 modules into the wheel), ``specdec/proto/__init__.py`` (a source checkout
 regenerates them on import when missing or stale) and
-``tests/test_proto_codegen.py`` (fails when the package's copy is stale).
+``tests/proto/test_proto_codegen.py`` (fails when the package's copy is stale).
 
 This file imports nothing outside the standard library at module level, so
 ``setup.py`` can load it by path inside an isolated build environment where

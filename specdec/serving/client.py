@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
-from specdec.serving import errors, convert as proto_convert
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert as proto_convert
+from specdec.serving import errors
 from specdec.serving.stats import GenerationStats
 
 DEFAULT_ADDRESS = "localhost:50051"
@@ -143,9 +145,9 @@ class Client:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the coordinator's health check reports SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         import time
+
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         stub = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout
@@ -164,7 +166,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -23,21 +23,21 @@ parameters) are imported inside the functions that build them, so that
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdec.serving.errors import InvalidRequest
 from specdec.proto import specdec_pb2 as pb
+from specdec.serving.errors import InvalidRequest
 from specdec.serving.stats import GenerationStats
 from specdec.serving.timing import ServerTiming
 
 if TYPE_CHECKING:
     import torch
 
-    from specdec.core.interfaces import DraftToken, Distribution
+    from specdec.core.interfaces import Distribution, DraftToken, Verdict
     from specdec.core.sampling import SamplingParams
-    from specdec.core.interfaces import Verdict
 
 _F32_LE = np.dtype("<f4")
 

@@ -23,17 +23,17 @@ import functools
 import logging
 import pathlib
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
+from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.models.runner import ModelRunner, Sequence
+from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.config import CONFIG_CLASSES, ServiceConfig
 from specdec.serving.errors import Draining, InvalidRequest, Unavailable
-from specdec.telemetry.metrics import ServiceMetrics
-from specdec.models.runner import ModelRunner, Sequence
-from specdec.proto import specdec_pb2 as pb
-from specdec.core.sampling import SamplingParams, SparseDist
 from specdec.serving.server import (
     DRAFT_SERVICE,
     TARGET_SERVICE,
@@ -44,8 +44,9 @@ from specdec.serving.server import (
     setup_logging,
 )
 from specdec.serving.sessions import SessionStore
-from specdec.telemetry.setup import ServiceTelemetry, start_telemetry
 from specdec.serving.timing import ServerTiming
+from specdec.telemetry.metrics import ServiceMetrics
+from specdec.telemetry.setup import ServiceTelemetry, start_telemetry
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import gc
 import logging
 import signal
 import time
-from typing import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,9 +62,9 @@ def freeze_startup_objects(what: str) -> None:
     """Put every object alive now out of the garbage collector's reach
     (``gc.freeze``), once a service has started: the model, the libraries'
     modules and the rest live as long as the process. A loaded model service
-    holds ~400,000 such objects, and each full collection walked them all:
-    ~230 ms of CPU on this project's machine, a stall for whichever round it
-    fell in. Afterwards a full collection walks only what came later.
+    holds ~400,000 such objects, and each full collection walks them all:
+    hundreds of milliseconds of CPU, a stall for whichever round it falls in.
+    Afterwards a full collection walks only what came later.
 
     Only the service processes' own ``run`` calls it: frozen objects are never
     collected, and a test process starts and stops many services."""

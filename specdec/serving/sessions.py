@@ -24,7 +24,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Generic, Hashable, TypeVar
+from collections.abc import AsyncIterator, Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 from specdec.serving.errors import (
     Draining,

@@ -2,7 +2,7 @@
 
 The caller subtracts these from the time it observed to split a round into
 server compute, host<->device copies, queueing behind other sessions, and the
-rest: network and serialisation, the cross-device overhead (DESIGN §5).
+rest: network and serialisation, the cross-device overhead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ServerTiming:
     def total_s(self) -> float:
         return self.queue_s + self.compute_s + self.copy_s
 
-    def add(self, other: "ServerTiming") -> None:
+    def add(self, other: ServerTiming) -> None:
         self.queue_s += other.queue_s
         self.compute_s += other.compute_s
         self.copy_s += other.copy_s

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 from opentelemetry import propagate, trace

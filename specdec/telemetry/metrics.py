@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §5): what each service exports on ``/metrics``.
+"""Prometheus metrics: what each service exports on ``/metrics``.
 
 Every service object owns its own :class:`prometheus_client.CollectorRegistry`,
 so several services in one process (tests, ``specdec serve`` variants) never
@@ -24,7 +24,7 @@ other sessions), ``copy`` (host<->device), ``network`` (network + serialisation
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

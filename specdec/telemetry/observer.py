@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import time
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -107,7 +107,9 @@ class CoordinatorObserver:
 
     def __init__(self, metrics: CoordinatorMetrics | None = None):
         self.metrics = metrics
-        self.open_round: contextvars.ContextVar[_OpenRound | None] = contextvars.ContextVar("specdec_round", default=None)
+        # The round in progress in each context (generations run on many threads).
+        self.open_round: contextvars.ContextVar[_OpenRound | None] = contextvars.ContextVar(
+            "specdec_round", default=None)
 
     def round_started(self, index: int) -> None:
         traced = tracing.enabled()

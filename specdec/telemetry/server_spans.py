@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import types
 import urllib.parse
-from typing import Mapping
+from collections.abc import Mapping
 
 import grpc
 from opentelemetry import propagate, trace

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from opentelemetry.sdk.trace.export import SpanExportResult
 

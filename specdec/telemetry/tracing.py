@@ -31,7 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from opentelemetry import trace
 

@@ -243,12 +243,12 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from specdec.models import bundled
-    from specdec.serving.client import Client
-    from specdec.models.decoder import SpeculativeDecoder
-    from specdec.tools.eval_pair import held_out_streams, make_prompts
     from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
     from specdec.core.sampling import SamplingParams
+    from specdec.models import bundled
+    from specdec.models.decoder import SpeculativeDecoder
+    from specdec.serving.client import Client
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     hf_logging.set_verbosity_error()
     out_dir = pathlib.Path(args.out)
@@ -359,7 +359,8 @@ def format_markdown(record: dict) -> str:
              f"{record['new_tokens']} tokens; target on {devices['target']}, draft on {devices['draft']}.", ""]
     for mode, rows in record["results"].items():
         lines += [f"### {mode}", "",
-                  "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round | draft | target | network | cores |",
+                  "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round "
+                  "| draft | target | network | cores |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
@@ -379,7 +380,7 @@ def plot(results: dict, rtts: list[float], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
-    for ax, (mode, rows) in zip(axes[0], results.items()):
+    for ax, (mode, rows) in zip(axes[0], results.items(), strict=True):
         dist = [r for r in rows if r["kind"] == "distributed" and r["draft_ahead"]]
         for policy in dict.fromkeys(r["policy"] for r in dist):
             pts = sorted((r["rtt_ms"], r["speedup"]) for r in dist if r["policy"] == policy)

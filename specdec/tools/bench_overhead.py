@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from specdec.core.sampling import SamplingParams
 from specdec.models.decoder import SpeculativeDecoder
 from specdec.models.runner import Sequence
-from specdec.core.sampling import SamplingParams
 
 
 class FreeModel:

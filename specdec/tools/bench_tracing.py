@@ -164,7 +164,8 @@ def traced_env(ratio: float, exporter: str, endpoint: str, trace_file: pathlib.P
     if ratio < 1.0:
         env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio))
     if exporter in ("both", "otlp"):
-        env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+        env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     if exporter in ("both", "file"):
         env["SPECDEC_TRACE_FILE"] = str(trace_file)
     return env

@@ -9,7 +9,7 @@ the per-token latencies of the two models are comparable:
 * held-out loss (nats/token) of each model, plus the teacher-forced top-1
   agreement (how often the draft's argmax equals the target's on real text);
 * greedy acceptance with the in-process ``SpeculativeDecoder`` for each γ:
-  α, the per-token acceptance rate of DESIGN.md §1's
+  α, the per-token acceptance rate of docs/architecture.md's
   E(γ) = (1 − α^(γ+1)) / (1 − α), = accepted drafts / drafts the target judged;
   the draft acceptance rate as vLLM reports it, accepted / proposed drafts; and
   the mean accepted length = tokens emitted per round (accepted + the target's
@@ -136,7 +136,7 @@ def acceptance_table(dec, prompts, new_tokens: int, gammas: list[int], greedy) -
     Two acceptance figures are kept apart because they answer different questions:
     ``alpha`` = accepted / drafts the target actually judged (accepted ones plus
     the first rejected one per round): the per-position acceptance probability α
-    of E(γ) = (1 − α^(γ+1)) / (1 − α) (DESIGN.md §1); and ``acceptance_rate`` =
+    of E(γ) = (1 − α^(γ+1)) / (1 − α) (docs/architecture.md); and ``acceptance_rate`` =
     accepted / proposed drafts, vLLM's "draft acceptance rate" (it falls with γ,
     since every draft after a rejection is wasted).
     """
@@ -148,7 +148,7 @@ def acceptance_table(dec, prompts, new_tokens: int, gammas: list[int], greedy) -
             out = dec.generate(p, max_new_tokens=new_tokens, sampling=greedy, gamma=g)
             accepted += sum(out.accepted)
             proposed += sum(out.gammas)
-            judged += sum(min(a + 1, n) for a, n in zip(out.accepted, out.gammas))
+            judged += sum(min(a + 1, n) for a, n in zip(out.accepted, out.gammas, strict=True))
             tokens += len(out.token_ids)
             rounds += out.rounds
             elapsed += out.elapsed_s
@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", type=Path, default=None,
                         help="also write the results as Markdown tables (for the model card)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 unless greedy α (per token, DESIGN.md §1) at γ=4 ≥ 0.75, latency ratio "
+                        help="exit 1 unless greedy α (per token) at γ=4 ≥ 0.75, latency ratio "
                              "≤ 0.2 and speed-up > 1")
 
 

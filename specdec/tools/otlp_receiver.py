@@ -59,7 +59,7 @@ def flatten(request: ts_pb2.ExportTraceServiceRequest) -> list[dict]:
 
 
 class _Servicer(ts_grpc.TraceServiceServicer):
-    def __init__(self, receiver: "OtlpReceiver"):
+    def __init__(self, receiver: OtlpReceiver):
         self.receiver = receiver
 
     def Export(self, request, context):
@@ -116,14 +116,14 @@ class OtlpReceiver:
                 raise TimeoutError(f"OTLP receiver: condition not met after {timeout:.0f} s ({len(spans)} spans)")
             time.sleep(0.05)
 
-    def start(self) -> "OtlpReceiver":
+    def start(self) -> OtlpReceiver:
         self.server.start()
         return self
 
     def stop(self) -> None:
         self.server.stop(None)
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import pathlib
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 from specdec.telemetry.observer import (
     GEN_AI_CONVERSATION,
@@ -142,9 +142,9 @@ def generations(spans: Iterable[dict]) -> list[Generation]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -163,7 +163,8 @@ def session_table(gens: list[Generation]) -> str:
     for g in gens:
         crossing = sum(g.phase_total(p) for p in CROSSING)
         rows.append([
-            _short(g.session or "-"), g.trace_id[:8], g.model, "-" if g.input_tokens is None else g.input_tokens, g.tokens,
+            _short(g.session or "-"), g.trace_id[:8], g.model,
+            "-" if g.input_tokens is None else g.input_tokens, g.tokens,
             len(g.rounds), f"{g.drafted / len(g.rounds):.2f}" if g.rounds else "-",
             _share(g.accepted, g.drafted), f"{g.duration_s:.3f}",
             f"{g.tokens / g.duration_s:.1f}" if g.duration_s > 0 else "-", _share(crossing, g.round_s),
@@ -226,7 +227,7 @@ def plot(gens: list[Generation], out: pathlib.Path, max_rounds: int = 400) -> in
     for name, colour, _ in PHASES:
         heights = [1e3 * r.phases[name] for r in rounds]
         ax.bar(xs, heights, bottom=bottom, color=colour, label=name, width=0.85)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for b in boundaries:
         if b < len(rounds):
             ax.axvline(b, color="black", linewidth=0.6, linestyle=":")

@@ -9,6 +9,7 @@ import pytest
 
 from specdec import SpeculativeDecoder
 from specdec.core.text import TextStream
+
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 

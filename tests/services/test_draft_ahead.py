@@ -8,25 +8,26 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import types
 import time
+import types
 
 import grpc
 import pytest
 import torch
 
 from draft_service.servicer import add_to_server
-from service_harness import LoopThread, channel, start_service
+from specdec.core.sampling import SamplingParams
+from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
+from specdec.models.runner import ModelRunner
+from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
 from specdec.serving.config import DraftConfig
-from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
-from specdec.telemetry.metrics import ServiceMetrics
-from specdec.models.runner import ModelRunner
 from specdec.serving.model_host import ModelHost, start_model_service
-from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.core.sampling import SamplingParams
-from specdec.telemetry.setup import ServiceTelemetry
 from specdec.serving.timing import ServerTiming
+from specdec.telemetry.metrics import ServiceMetrics
+from specdec.telemetry.setup import ServiceTelemetry
+
+from service_harness import LoopThread, channel, start_service
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams()
@@ -71,7 +72,7 @@ def assert_same_drafts(got, want):
     """Same tokens and bit-identical q: the same passes ran (float rounding
     depends on how tokens are grouped into passes)."""
     assert [d.token for d in got] == [d.token for d in want]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         if w.q is None:
             assert g.q is None
         elif isinstance(w.q, torch.Tensor):  # dense q
@@ -167,7 +168,7 @@ def _random_episode(draft, params, k, rng) -> int:
             assert_same_drafts(got, want)
             assert ahead_seq.tokens == plain_seq.tokens and ahead_seq.cache_length == plain_seq.cache_length
             steps = iter(range(rng.randint(0, gamma + 3), -1, -1))
-            draft_ahead(draft, ahead_seq, params, k, gamma + 3, lambda: next(steps) == 0)
+            draft_ahead(draft, ahead_seq, params, k, gamma + 3, lambda steps=steps: next(steps) == 0)
             guess = ahead_seq.ahead.drafts[0].token if ahead_seq.ahead.drafts else None
         accepted = rng.randint(0, gamma)
         nxt = guess if accepted == gamma and guess is not None and rng.random() < 0.5 else rng.randrange(32)

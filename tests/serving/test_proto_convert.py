@@ -1,17 +1,16 @@
-"""protobuf <-> core conversions (specdec.serving.convert) and typed config."""
+"""protobuf <-> core conversions (specdec.serving.convert)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdec.core.interfaces import DraftToken, Verdict
+from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.errors import InvalidRequest
-from specdec.proto import specdec_pb2 as pb
-from specdec.core.interfaces import DraftToken
-from specdec.core.sampling import SamplingParams, SparseDist
 from specdec.serving.timing import ServerTiming
-from specdec.core.interfaces import Verdict
 
 
 def test_sampling_round_trip_and_defaults():

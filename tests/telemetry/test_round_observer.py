@@ -113,7 +113,7 @@ def test_round_metrics_mirror_vllm_spec_decode_counters():
 
 
 class _Proposer:
-    def propose(self, position, new_tokens, gamma, params, draft_top_k):
+    def propose(self, position, new_tokens, gamma, params):
         for t in range(gamma):
             yield DraftToken(t, None)
 

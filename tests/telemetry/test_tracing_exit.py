@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specdec.telemetry import export, tracing
+from specdec.telemetry import export
 
 
 class StuckExporter:
@@ -93,7 +93,7 @@ def test_export_messages_are_let_through_once_a_minute_per_kind():
     assert limit.filter(record())
     assert limit.filter(record(logging.ERROR))  # another kind
     held = [record() for _ in range(4)]
-    for t, r in zip((5, 10, 20, 59), held):
+    for t, r in zip((5, 10, 20, 59), held, strict=True):
         now[0] = t
         assert not limit.filter(r)
     now[0] = 61

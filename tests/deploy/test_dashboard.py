@@ -11,10 +11,10 @@ import re
 import yaml
 from prometheus_client import CollectorRegistry
 
-from specdec.telemetry.metrics import CoordinatorMetrics, ServiceMetrics
 from specdec.serving.sessions import StoreStats
+from specdec.telemetry.metrics import CoordinatorMetrics, ServiceMetrics
 
-DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "specdec-dashboard.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 PROMETHEUS_LOCAL = DEPLOY / "prometheus" / "prometheus-local.yml"
@@ -22,8 +22,8 @@ PROMETHEUS_LOCAL = DEPLOY / "prometheus" / "prometheus-local.yml"
 
 def exported() -> dict[str, set[str]]:
     """Every sample name the services export after some work -> its labels."""
-    from specdec.telemetry.metrics import ROUND_PHASES
     from specdec.serving.timing import ServerTiming
+    from specdec.telemetry.metrics import ROUND_PHASES
 
     stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1)
     coordinator, service = CoordinatorMetrics(), ServiceMetrics("target", sessions=lambda: stats)

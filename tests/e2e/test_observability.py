@@ -10,11 +10,12 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_e2e import coordinator, model_service
 
 from specdec.serving.client import Client
-from specdec.tools.otlp_receiver import OtlpReceiver
 from specdec.serving.server import free_port
-from test_e2e import coordinator, model_service
+from specdec.tools.otlp_receiver import OtlpReceiver
+
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 PROMPT = "def f(x):"
@@ -106,9 +107,11 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
     for r in rounds:
         ra = r["attributes"]
         assert ra["specdec.bytes_out"] > 0 and ra["specdec.bytes_in"] > 0
-        assert ra["specdec.target.network_s"] >= 0 and ra["specdec.target.compute_s"] > 0
+        assert ra["specdec.target.compute_s"] > 0 and "specdec.target.network_s" in ra
         if ra["specdec.gamma"]:
-            assert ra["specdec.draft.network_s"] >= 0 and ra["specdec.draft.compute_s"] > 0
+            assert ra["specdec.draft.compute_s"] > 0 and "specdec.draft.network_s" in ra
+    for side in ("draft", "target"):  # gRPC's own time shows, over the generation's calls
+        assert sum(r["attributes"].get(f"specdec.{side}.network_s", 0.0) for r in rounds) > 0
 
     # Every RPC: a coordinator CLIENT span under a round, and the service's SERVER span under it.
     clients = [s for s in trace if s["kind"] == "CLIENT" and s["name"].endswith(("/Propose", "/Verify"))]
@@ -116,10 +119,11 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
     for c in clients:
         assert by_id[c["parent_span_id"]]["name"] == "specdec.round"
         ca = c["attributes"]
-        assert ca["specdec.network_s"] >= 0 and ca["specdec.server_s"] > 0
-        assert ca["specdec.observed_s"] == pytest.approx(ca["specdec.server_s"] + ca["specdec.network_s"]) \
-            or ca["specdec.network_s"] == 0  # clamped: the two clocks are read at slightly different moments
-        assert (ca["rpc.system"], ca["rpc.method"], ca["rpc.grpc.status_code"]) == ("grpc", c["name"].rsplit("/", 1)[1], 0)
+        assert ca["specdec.server_s"] > 0
+        # Clamped at 0: the two clocks are read at slightly different moments.
+        assert ca["specdec.network_s"] == pytest.approx(max(0.0, ca["specdec.observed_s"] - ca["specdec.server_s"]))
+        method = c["name"].rsplit("/", 1)[1]
+        assert (ca["rpc.system"], ca["rpc.method"], ca["rpc.grpc.status_code"]) == ("grpc", method, 0)
     for s in trace:
         if s["kind"] == "SERVER" and s["service"] in ("specdec-draft", "specdec-target"):
             parent = by_id[s["parent_span_id"]]
@@ -164,7 +168,7 @@ def test_metrics_move_by_what_the_generation_did(stack):
     accepted = delta(c, "specdec_spec_decode_num_accepted_tokens_total")
     assert drafted == stats.drafted_tokens == sum(stats.gammas) > 0
     assert accepted == stats.accepted_tokens
-    rejected = sum(g - a for g, a in zip(stats.gammas, stats.accepted_per_round))
+    rejected = sum(g - a for g, a in zip(stats.gammas, stats.accepted_per_round, strict=True))
     assert accepted + rejected == drafted
     assert delta(c, "specdec_spec_decode_num_drafts_total") == drafting
     per_pos = {i: delta(c, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))

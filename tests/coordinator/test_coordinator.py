@@ -19,13 +19,15 @@ from coordinator.directory import InMemoryDirectory, SessionRecord
 from coordinator.engine import Coordinator
 from coordinator.learned_gamma import regime
 from coordinator.requests import Delta, GenerateJob, parse_gamma_policy
-from specdec.serving.stats import GenerationStats as Stats
+from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
 from specdec.core.text import TextStream
+from specdec.models.tokenizer import load_tokenizer
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
-from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
-from specdec.models.tokenizer import load_tokenizer
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
+from specdec.serving.stats import GenerationStats as Stats
+
 from tiny_models import add_byte_tokenizer
 
 TEXT = b"hello world, speculative decoding! "
@@ -82,7 +84,8 @@ class FakeService:
         return seq
 
     def GetModelInfo(self, request, context):
-        return pb.ModelInfo(model_name=self.name or type(self).__name__, vocab_size=self.vocab, vocab_fingerprint=self.fingerprint,
+        return pb.ModelInfo(model_name=self.name or type(self).__name__, vocab_size=self.vocab,
+                            vocab_fingerprint=self.fingerprint,
                             max_context=512, eos_token_ids=[EOS], active_sessions=len(self.sessions),
                             gamma_max=self.gamma_max)
 
@@ -100,7 +103,8 @@ class FakeDraft(FakeService, pb_grpc.DraftServiceServicer):
             if len(seq) % 4 == 0:
                 tok = ord("#")  # disagree now and then
             seq.append(tok)
-            yield pb.DraftToken(token=tok, timing=pb.ServerTiming(computed_tokens=1) if i == request.gamma - 1 else None)
+            last = i == request.gamma - 1
+            yield pb.DraftToken(token=tok, timing=pb.ServerTiming(computed_tokens=1) if last else None)
 
 
 class FakeTarget(FakeService, pb_grpc.TargetServiceServicer):

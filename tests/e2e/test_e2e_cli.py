@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from specdec.cli import main
+
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 
@@ -59,11 +60,11 @@ def three_free_ports() -> int:
 def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     import json
     import os
-    import urllib.request
     import signal
     import subprocess
     import sys
     import time
+    import urllib.request
 
     from specdec.serving.client import Client
     from specdec.serving.server import free_port
@@ -122,7 +123,8 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     (["--local", "--device", "ipu", "x"], "device ipu: ipu is not available here"),
     (["--coordinator", "127.0.0.1:1", "--gamma", "0", "x"], "--gamma: only with --local"),
     (["--coordinator", "127.0.0.1:1", "--draft", "d", "--device", "cpu", "x"], "--draft, --device: only with --local"),
-    (["--local", "--stop", "x", "--session", "s", "x"], "--session, --stop: only with --coordinator"),
+    (["--local", "--gamma-policy", "heuristic", "--session", "s", "x"],
+     "--session, --gamma-policy: only with --coordinator"),
     (["--local", "--prompt-ids", "1,2", "x"], "give a PROMPT or --prompt-ids, not both"),
     (["--coordinator", "127.0.0.1:1", "--max-new-tokens", "0", "x"], "--max-new-tokens must be >= 1, got 0"),
     (["--local", "--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers, got '1,,2'"),

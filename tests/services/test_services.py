@@ -12,12 +12,15 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from service_harness import LoopThread, channel, start_service
-from specdec.serving import errors, convert as pc
+from specdec.core.sampling import SamplingParams
 from specdec.models.local import draft_tokens, new_draft_sequence, verify_drafts
 from specdec.models.runner import ModelRunner
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
-from specdec.core.sampling import SamplingParams
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import convert as pc
+from specdec.serving import errors
+
+from service_harness import LoopThread, channel, start_service
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams()
@@ -191,7 +194,7 @@ def test_evicted_session_answers_not_found_and_info_counts(stubs, device):
 
 
 def test_health_serving_and_reflection_lists_services(services):
-    for service, name in zip(services, ["specdec.v1.DraftService", "specdec.v1.TargetService"]):
+    for service, name in zip(services, ["specdec.v1.DraftService", "specdec.v1.TargetService"], strict=True):
         with channel(service) as ch:
             health = health_pb2_grpc.HealthStub(ch)
             for svc in ("", name):
@@ -222,7 +225,10 @@ def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, mon
     service, loading = loop.call(start_model_service(config, add_to_server, wait_loaded=False))
     with channel(service) as ch:
         health = health_pb2_grpc.HealthStub(ch)
-        check = lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+        def check():
+            return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
         assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as e:  # calls are refused clearly meanwhile
             pb_grpc.DraftServiceStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=5)
@@ -246,6 +252,7 @@ def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, mon
         rest = list(stream)
         assert len([first, *rest]) == 3  # the in-flight stream completed
         drained.join(20)
+        assert not drained.is_alive()  # the drain ended within its grace
         slow.undo()
 
 

@@ -21,13 +21,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import SamplingParams, SpeculativeDecoder
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta, Stats
-from specdec.proto import specdec_pb2 as pb, specdec_pb2_grpc as pb_grpc
 from specdec.serving.server import free_port
+
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONTEXT = 1024
 CAP = 900  # the coordinators' --max-new-tokens-cap
 PROMPT = "def fibonacci(n):"
@@ -53,7 +55,7 @@ class Proc:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_serving(self, timeout: float = 90) -> "Proc":
+    def wait_serving(self, timeout: float = 90) -> Proc:
         fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
         with grpc.insecure_channel(self.address, options=fast_reconnect) as ch:
             health = health_pb2_grpc.HealthStub(ch)
@@ -181,7 +183,8 @@ def test_stats_split_round_time_and_count_bytes(client, reference):
                               temperature=1.0, seed=5).stats
     for s in (greedy, sampled):
         assert s.draft_compute_s > 0 and s.target_compute_s > 0
-        assert s.draft_network_s >= 0 and s.target_network_s >= 0
+        # Network + serialisation over a request's calls: never all of it clamped away on loopback.
+        assert s.draft_network_s > 0 and s.target_network_s > 0
         assert s.draft_compute_s + s.target_compute_s + s.network_s <= s.elapsed_s
         assert s.bytes_sent > 0 and s.bytes_received > 0
     # Sampling ships each draft's q to the target and back, as (id, prob) pairs:
@@ -426,14 +429,16 @@ BAD_GENERATE = [
     ("both prompt kinds", dict(prompt="x", prompt_ids=[1]), "INVALID_ARGUMENT", "both prompt and prompt_ids"),
     ("prompt beyond context", dict(prompt_ids=[5] * CONTEXT), "INVALID_ARGUMENT", "context of 1024"),
     ("max_new_tokens 0", dict(max_new_tokens=0), "INVALID_ARGUMENT", "max_new_tokens"),
-    ("max_new_tokens above cap", dict(max_new_tokens=CAP + 1), "INVALID_ARGUMENT", f"max_new_tokens must be in [1, {CAP}]"),
+    ("max_new_tokens above cap", dict(max_new_tokens=CAP + 1), "INVALID_ARGUMENT",
+     f"max_new_tokens must be in [1, {CAP}]"),
     ("gamma policy unknown", dict(gamma_policy="fast"), "INVALID_ARGUMENT", "gamma_policy 'fast'"),
     ("gamma policy unparsable", dict(gamma_policy="static:x"), "INVALID_ARGUMENT", "static:N needs an integer"),
     ("gamma out of range", dict(gamma_policy="static:99"), "INVALID_ARGUMENT", "gamma must be in [0, 16]"),
     ("negative temperature", dict(temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
     ("top_p zero", dict(top_p=0.0), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
     ("top_p above one", dict(top_p=1.5), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
-    ("token id above vocab", dict(prompt_ids=[1, 260]), "INVALID_ARGUMENT", "prompt_ids[1] = 260 is outside the vocabulary"),
+    ("token id above vocab", dict(prompt_ids=[1, 260]), "INVALID_ARGUMENT",
+     "prompt_ids[1] = 260 is outside the vocabulary"),
     ("negative token id", dict(prompt_ids=[-3]), "INVALID_ARGUMENT", "outside the vocabulary"),
     ("empty stop string", dict(stop=[""]), "INVALID_ARGUMENT", "stop strings"),
     ("draft_top_k above vocab", dict(draft_top_k=1000), "INVALID_ARGUMENT", "draft_top_k"),
