@@ -34,11 +34,11 @@ from coordinator.learned_gamma import LearnedGamma, regime
 from coordinator.leases import SessionLeases
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.remote import ServiceClient
-from coordinator.requests import Delta, GenerateJob, Request, RequestCheck
+from coordinator.requests import Request, RequestCheck
 from coordinator.turn import Services, Turn
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
-from specdec.serving.stats import GenerationStats
+from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
 
 log = logging.getLogger("specdec.coordinator")

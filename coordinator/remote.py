@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
-from specdec.core.interfaces import DraftToken, SessionState, Verdict
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import DraftToken, SamplingParams, SessionState, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv

@@ -1,5 +1,5 @@
-"""A client's Generate request in core types, and everything about it that can
-be checked before a session is touched."""
+"""Everything about a client's Generate request that can be checked before a
+session is touched, and what is decided for it."""
 
 from __future__ import annotations
 
@@ -9,32 +9,13 @@ import functools
 from coordinator.pair import PairInfo
 from specdec.core import gamma as gamma_policies
 from specdec.core.gamma import GammaPolicy
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import SamplingParams
 from specdec.core.vocabulary import check_token_ids
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
+from specdec.serving.generation import GenerateJob
 
 MAX_SESSION_ID_LEN = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateJob:
-    """A client request in core types (the servicer converts the protobuf)."""
-
-    prompt: str = ""  # text; needs a tokenizer
-    prompt_ids: tuple[int, ...] = ()  # or token ids: exactly one of the two
-    max_new_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
-    gamma_policy: str = ""  # "" = the configured default
-    stop: tuple[str, ...] = ()
-    session_id: str = ""  # "" = one-shot
-    draft_top_k: int | None = None  # None: the coordinator's default; 0: dense q
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    token_ids: list[int]
-    text: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,35 +17,16 @@ import contextvars
 import logging
 import threading
 
-from coordinator.engine import Coordinator, Delta, GenerateJob
+from coordinator.engine import Coordinator
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
 from specdec.serving import errors
-from specdec.serving.stats import GenerationStats
+from specdec.serving.generation import Delta
 
 log = logging.getLogger("specdec.coordinator")
 
 _END = object()
-
-
-def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
-    return GenerateJob(
-        prompt=request.prompt,
-        prompt_ids=tuple(request.prompt_ids),
-        max_new_tokens=request.max_new_tokens,
-        sampling=conv.sampling_from_proto(request.sampling if request.HasField("sampling") else None),
-        gamma_policy=request.gamma_policy,
-        stop=tuple(request.stop),
-        session_id=request.session_id,
-        draft_top_k=request.draft_top_k if request.HasField("draft_top_k") else None,
-    )
-
-
-def event_to_proto(event: Delta | GenerationStats) -> pb.GenerateResponse:
-    if isinstance(event, Delta):
-        return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text))
-    return pb.GenerateResponse(stats=conv.stats_to_proto(event))
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -65,7 +46,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.end_streams_at = asyncio.get_running_loop().time() + grace_s - min(0.5, grace_s / 2)
 
     async def Generate(self, request, context):
-        job = job_from_proto(request)
+        job = conv.job_from_proto(request)
         loop = asyncio.get_running_loop()
         gone = threading.Event()  # set when the client has gone
         steps = self.engine.generate(job, gone)
@@ -93,7 +74,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     streamed += len(event.token_ids)
                 else:
                     stats_sent = True  # the last event
-                yield event_to_proto(event)
+                yield conv.event_to_proto(event)
         except (asyncio.CancelledError, GeneratorExit):  # the client has gone
             gone.set()  # no round starts for it now; its session's next request waits for the cleanup
             raise

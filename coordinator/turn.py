@@ -24,13 +24,13 @@ from collections.abc import Iterator
 from coordinator.directory import SessionDirectory, SessionRecord
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, ServiceClient, SideStats
-from coordinator.requests import Delta, Request
+from coordinator.requests import Request
 from specdec.core.gamma import StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SessionState
 from specdec.core.rounds import Limits, run_rounds
 from specdec.core.text import TextStream
 from specdec.serving import errors
-from specdec.serving.stats import GenerationStats
+from specdec.serving.generation import Delta, GenerationStats
 
 log = logging.getLogger("specdec.coordinator")
 

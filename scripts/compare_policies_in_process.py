@@ -19,7 +19,7 @@ import random
 import torch
 
 from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import SamplingParams
 from specdec.models import bundled
 from specdec.models.decoder import SpeculativeDecoder
 from specdec.tools.eval_pair import held_out_streams, make_prompts

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "specdec.serving.client",  # the coordinator client; see specdec/serving/client.py
     "GenerationOutput": "specdec.models.decoder",
-    "SamplingParams": "specdec.core.sampling",
+    "SamplingParams": "specdec.core.interfaces",
     "SpeculativeDecoder": "specdec.models.decoder",
 }
 __all__ = sorted(_LAZY)

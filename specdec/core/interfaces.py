@@ -18,11 +18,13 @@ clients, configuration and ``--help`` can name these types cheaply.
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from specdec.core.sampling import Distribution, SamplingParams
+    from specdec.core.sampling import Distribution
 
 # Under sampling the draft samples from its top-k tokens and ships that sparse q
 # (exact: q is what it sampled from) as (id, prob) pairs, ~6 bytes each on the
@@ -33,6 +35,48 @@ if TYPE_CHECKING:
 # decoder and the coordinator share this default, so one seed gives the same
 # tokens in both.
 DEFAULT_DRAFT_TOP_K = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
+
+    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` makes
+    sampling reproducible under the same γ schedule (a drafted position and a
+    correction or bonus position draw their token from different streams);
+    ``None`` lets the decoder pick one per request.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_sampling(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> SamplingParams:
+        """This, with a fresh random seed filled in if none was given."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=random.getrandbits(63))
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise ValueError naming the bad field (used by the dataclass and by servers)."""
+    t, k, p = params.temperature, params.top_k, params.top_p
+    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {k!r}")
+    if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
+        raise ValueError(f"seed must be a non-negative integer, got {params.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)

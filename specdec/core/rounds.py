@@ -36,11 +36,11 @@ from specdec.core.interfaces import (
     Proposer,
     RoundObserver,
     RoundResult,
+    SamplingParams,
     SessionState,
     StopCondition,
     Verifier,
 )
-from specdec.core.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

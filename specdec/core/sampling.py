@@ -18,11 +18,11 @@ the rejection-sampling proof needs.
 from __future__ import annotations
 
 import dataclasses
-import math
-import random
 
 import numpy as np
 import torch
+
+from specdec.core.interfaces import SamplingParams
 
 # Random streams: one per purpose, so that no uniform is ever used twice.
 STREAM_DRAFT = 1  # the draft's sample at a position
@@ -31,48 +31,6 @@ STREAM_TARGET = 3  # the target's correction or bonus sample at a position
 
 _MASK64 = (1 << 64) - 1
 _F32_TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
-
-    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` makes
-    sampling reproducible under the same γ schedule (a drafted position and a
-    correction or bonus position draw their token from different streams);
-    ``None`` lets the decoder pick one per request.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        validate_sampling(self)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def with_seed(self) -> SamplingParams:
-        """This, with a fresh random seed filled in if none was given."""
-        if self.seed is not None:
-            return self
-        return dataclasses.replace(self, seed=random.getrandbits(63))
-
-
-def validate_sampling(params: SamplingParams) -> None:
-    """Raise ValueError naming the bad field (used by the dataclass and by servers)."""
-    t, k, p = params.temperature, params.top_k, params.top_p
-    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {k!r}")
-    if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-    if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
-        raise ValueError(f"seed must be a non-negative integer, got {params.seed!r}")
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

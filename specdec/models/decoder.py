@@ -9,9 +9,8 @@ import os
 import time
 
 from specdec.core.gamma import GammaPolicy, StaticGamma
-from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K, NO_OBSERVER, RoundObserver, SessionState
+from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K, NO_OBSERVER, RoundObserver, SamplingParams, SessionState
 from specdec.core.rounds import Limits, run_rounds
-from specdec.core.sampling import SamplingParams
 from specdec.core.text import TextStream
 from specdec.core.vocabulary import check_same_vocabulary, check_token_ids
 from specdec.models.local import LocalProposer, LocalVerifier, new_draft_sequence

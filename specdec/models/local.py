@@ -6,15 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from specdec.core.interfaces import DraftToken, Verdict
-from specdec.core.sampling import (
-    STREAM_DRAFT,
-    SamplingParams,
-    process_logits,
-    sample,
-    truncate_top_k,
-    uniform,
-)
+from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
+from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
 from specdec.models.runner import ModelRunner, Sequence
 

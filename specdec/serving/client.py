@@ -27,22 +27,13 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from specdec.core.interfaces import SamplingParams
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
-from specdec.serving import convert as proto_convert
-from specdec.serving import errors
-from specdec.serving.stats import GenerationStats
+from specdec.serving import convert, errors
+from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 
 DEFAULT_ADDRESS = "localhost:50051"
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """Tokens committed by one round, and the text they complete (text waits for
-    whole characters, and for a possible stop string to be decided)."""
-
-    token_ids: list[int]
-    text: str
 
 
 # The final event of a stream (the coordinator fills the same dataclass).
@@ -100,23 +91,18 @@ class Client:
         # torch integers too, and not by truth value (an array has none).
         prompt_ids = _token_ids(prompt_ids)
         _check_fields(max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, draft_top_k=draft_top_k)
-        sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
-        if top_p != 1.0:
-            sampling.top_p = top_p
-        if seed is not None:
-            sampling.seed = seed
-        request = pb.GenerateRequest(
-            session_id=session_id, prompt=prompt or "", prompt_ids=prompt_ids,
-            max_new_tokens=max_new_tokens, sampling=sampling, gamma_policy=gamma_policy,
-            stop=[stop] if isinstance(stop, str) else list(stop or ()), draft_top_k=draft_top_k,
-        )  # draft_top_k=None leaves the optional field unset
-        call = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            job = GenerateJob(prompt=prompt or "", prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens,
+                              sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                              gamma_policy=gamma_policy, stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                              session_id=session_id, draft_top_k=draft_top_k)
+        except ValueError as e:  # the sampling settings
+            raise errors.InvalidRequest(f"sampling: {e}") from None
+        call = self._stub.Generate(convert.generate_request(job),
+                                   timeout=timeout if timeout is not None else self.timeout)
         try:
             for message in call:
-                if message.HasField("delta"):
-                    yield Delta(list(message.delta.token_ids), message.delta.text)
-                else:
-                    yield proto_convert.stats_from_proto(message.stats)
+                yield convert.event_from_proto(message)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
         finally:

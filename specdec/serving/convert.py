@@ -10,14 +10,16 @@ here once:
   the lossless acceptance test relies on (right length, finite, non-negative, ids
   inside the vocabulary and unique).
 * ``DraftToken``, ``Verdict`` (``VerifyResponse``) and ``ServerTiming``.
+* A Generate: its request (``GenerateJob``) and its events (``Delta``,
+  ``GenerationStats``), between the client and the coordinator.
 
 Decoders raise :class:`specdec.serving.errors.InvalidRequest` (-> INVALID_ARGUMENT) with
 a message naming the field.
 
-The core types that bring torch (distributions, draft tokens, verdicts, sampling
-parameters) are imported inside the functions that build them, so that
-:mod:`specdec.serving.client`, which needs only the stats, does not load torch: ~3 s and
-~190 MB for a process that only talks to a coordinator.
+Distributions are torch tensors: ``specdec.core.sampling`` (which brings torch)
+is imported inside the functions that build them, so that
+:mod:`specdec.serving.client` does not load torch: ~3 s and ~190 MB for a
+process that only talks to a coordinator.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving.errors import InvalidRequest
-from specdec.serving.stats import GenerationStats
+from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 from specdec.serving.timing import ServerTiming
 
 if TYPE_CHECKING:
     import torch
 
-    from specdec.core.interfaces import Distribution, DraftToken, Verdict
-    from specdec.core.sampling import SamplingParams
+    from specdec.core.sampling import Distribution
 
 _F32_LE = np.dtype("<f4")
 
@@ -55,8 +57,6 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_proto(msg: pb.SamplingParams | None) -> SamplingParams:
     """Unset message = greedy. Invalid values -> InvalidRequest naming the field."""
-    from specdec.core.sampling import SamplingParams
-
     if msg is None:
         return SamplingParams()
     try:
@@ -167,8 +167,6 @@ def draft_token_to_proto(d: DraftToken, timing: ServerTiming | None = None) -> p
 
 
 def draft_token_from_proto(msg: pb.DraftToken, vocab_size: int | None = None) -> DraftToken:
-    from specdec.core.interfaces import DraftToken
-
     q = dist_from_proto(msg.q, vocab_size, f"q of draft token {msg.token}") if msg.HasField("q") else None
     return DraftToken(token=msg.token, q=q)
 
@@ -184,8 +182,6 @@ def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.Verif
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
-    from specdec.core.interfaces import Verdict
-
     return Verdict(accepted=msg.accepted, next_token=msg.next_token)
 
 
@@ -238,15 +234,41 @@ def verify_request(
     return msg
 
 
-# ------------------------------------------------------------------ generation stats
+# ------------------------------------------------------------------ Generate (client <-> coordinator)
 
 
-def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
-    return pb.GenerationStats(**dataclasses.asdict(stats))
+def generate_request(job: GenerateJob) -> pb.GenerateRequest:
+    """``draft_top_k`` None leaves the optional field unset (the coordinator's default)."""
+    return pb.GenerateRequest(
+        session_id=job.session_id, prompt=job.prompt, prompt_ids=list(job.prompt_ids),
+        max_new_tokens=job.max_new_tokens, sampling=sampling_to_proto(job.sampling), gamma_policy=job.gamma_policy,
+        stop=list(job.stop), draft_top_k=job.draft_top_k)
 
 
-def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
-    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(GenerationStats)}
-    values["gammas"] = list(msg.gammas)
-    values["accepted_per_round"] = list(msg.accepted_per_round)
+def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
+    return GenerateJob(
+        prompt=request.prompt,
+        prompt_ids=tuple(request.prompt_ids),
+        max_new_tokens=request.max_new_tokens,
+        sampling=sampling_from_proto(request.sampling if request.HasField("sampling") else None),
+        gamma_policy=request.gamma_policy,
+        stop=tuple(request.stop),
+        session_id=request.session_id,
+        draft_top_k=request.draft_top_k if request.HasField("draft_top_k") else None,
+    )
+
+
+def event_to_proto(event: Delta | GenerationStats) -> pb.GenerateResponse:
+    if isinstance(event, Delta):
+        return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text))
+    return pb.GenerateResponse(stats=pb.GenerationStats(**dataclasses.asdict(event)))
+
+
+def event_from_proto(msg: pb.GenerateResponse) -> Delta | GenerationStats:
+    if msg.HasField("delta"):
+        return Delta(list(msg.delta.token_ids), msg.delta.text)
+    stats = msg.stats
+    values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(GenerationStats)}
+    values["gammas"] = list(stats.gammas)
+    values["accepted_per_round"] = list(stats.accepted_per_round)
     return GenerationStats(**values)

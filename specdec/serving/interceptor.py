@@ -106,8 +106,9 @@ class _Call:
     def start_span(self, context) -> None:
         """The SERVER span, made current while the handler runs (when tracing is on)."""
         if tracing.enabled():
-            self.span = start_server_span(self.full_method, context.invocation_metadata(), context.peer())
-            self.token = otel_context.attach(trace.set_span_in_context(self.span))
+            self.span, current = start_server_span(self.full_method, context.invocation_metadata(), context.peer())
+            if current is not None:
+                self.token = otel_context.attach(current)
 
     def answered(self, request, timing, count: int, response) -> None:
         """``timing``: the reply's ServerTiming (None if it has none); ``count``

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.core.interfaces import SamplingParams
+from specdec.core.sampling import SparseDist
 from specdec.models.runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc

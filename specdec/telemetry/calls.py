@@ -75,11 +75,16 @@ class ClientCalls:
         if not tracing.enabled():
             yield Call(self, trace.INVALID_SPAN, None)
             return
+        if not tracing.recording():  # an unsampled request: pass the decision on, make no span
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            yield Call(self, trace.INVALID_SPAN, tuple(carrier.items()))
+            return
         span = tracing.tracer().start_span(
             f"/{self.service}/{method}", kind=trace.SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": method,
                         "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]})
-        carrier: dict[str, str] = {}
+        carrier = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         try:
             yield Call(self, span, tuple(carrier.items()))

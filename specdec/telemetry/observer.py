@@ -73,7 +73,7 @@ def generation_span(info: GenerationInfo) -> Iterator[trace.Span]:
 
 
 def record_generation(span: trace.Span, metrics: CoordinatorMetrics | None, stats) -> None:
-    """A finished Generate (``stats``: its :class:`specdec.serving.stats.GenerationStats`)
+    """A finished Generate (``stats``: its :class:`specdec.serving.generation.GenerationStats`)
     on its span and in the request metrics."""
     if span.is_recording():
         span.set_attributes({
@@ -112,7 +112,7 @@ class CoordinatorObserver:
             "specdec_round", default=None)
 
     def round_started(self, index: int) -> None:
-        traced = tracing.enabled()
+        traced = tracing.recording()
         if not traced and self.metrics is None:
             return
         span = tracing.tracer().start_span("specdec.round") if traced else trace.INVALID_SPAN

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import grpc
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 
 from specdec.telemetry import tracing
 
@@ -21,18 +22,23 @@ from specdec.telemetry import tracing
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health"})
 
 
-def start_server_span(full_method: str, metadata, peer: str) -> trace.Span:
-    """The call's SERVER span (not current: the caller makes it so), or the
-    invalid span for services that are not traced."""
+def start_server_span(full_method: str, metadata, peer: str) -> tuple[trace.Span, Context | None]:
+    """The call's SERVER span, and the context to make current while the
+    handler runs (None: none). A caller whose request is not sampled gets no
+    span: its context, which says so, is made current (what the handler starts
+    follows it). Services that are not traced get neither."""
     attributes = _rpc_attributes(full_method)
     if attributes is None:
-        return trace.INVALID_SPAN
+        return trace.INVALID_SPAN, None
     parent = propagate.extract(dict(metadata)) if metadata else None
+    caller = trace.get_current_span(parent).get_span_context()
+    if caller.is_valid and not caller.trace_flags.sampled:
+        return trace.INVALID_SPAN, parent
     span = tracing.tracer().start_span(full_method, context=parent, kind=trace.SpanKind.SERVER,
                                        attributes=attributes)
     if span.is_recording():  # which caller: several coordinators may share a service
         span.set_attributes(_peer_attributes(peer))
-    return span
+    return span, trace.set_span_in_context(span, parent)
 
 
 def record_timing(span: trace.Span, timing) -> None:

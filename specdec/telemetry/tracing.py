@@ -66,6 +66,19 @@ def enabled() -> bool:
     return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
+def recording() -> bool:
+    """Whether spans made now would be recorded: a real provider is installed
+    and the current span, if there is one, is recorded. Below a span the
+    sampler dropped, specdec makes no spans of its own and only passes the
+    decision on (in the W3C context it sends), as parent-based sampling would
+    decide anyway: at a production sampling ratio the unsampled requests, nearly
+    all of them, then cost next to nothing."""
+    if not enabled():
+        return False
+    current = trace.get_current_span()
+    return current.is_recording() or not current.get_span_context().is_valid
+
+
 def sdk_disabled(environ: Mapping[str, str]) -> bool:
     return environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 

@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
-    from specdec.core.sampling import SamplingParams
+    from specdec.core.interfaces import SamplingParams
     from specdec.models import bundled
     from specdec.models.decoder import SpeculativeDecoder
     from specdec.serving.client import Client

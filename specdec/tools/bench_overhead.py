@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import SamplingParams
 from specdec.models.decoder import SpeculativeDecoder
 from specdec.models.runner import Sequence
 

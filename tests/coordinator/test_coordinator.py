@@ -18,7 +18,7 @@ import pytest
 from coordinator.directory import InMemoryDirectory, SessionRecord
 from coordinator.engine import Coordinator
 from coordinator.learned_gamma import regime
-from coordinator.requests import Delta, GenerateJob, parse_gamma_policy
+from coordinator.requests import parse_gamma_policy
 from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
 from specdec.core.text import TextStream
 from specdec.models.tokenizer import load_tokenizer
@@ -26,7 +26,8 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
-from specdec.serving.stats import GenerationStats as Stats
+from specdec.serving.generation import Delta, GenerateJob
+from specdec.serving.generation import GenerationStats as Stats
 
 from tiny_models import add_byte_tokenizer
 
@@ -646,8 +647,7 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
     estimates of the last request decoding the same way (the seed aside)."""
     import dataclasses
 
-    from specdec.core.interfaces import RoundResult
-    from specdec.core.sampling import SamplingParams
+    from specdec.core.interfaces import RoundResult, SamplingParams
 
     engine = Coordinator(CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2"))
     try:

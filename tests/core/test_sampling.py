@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from specdec.core.sampling import SamplingParams, process_logits, sample, truncate_top_k, uniform
+from specdec.core.interfaces import SamplingParams
+from specdec.core.sampling import process_logits, sample, truncate_top_k, uniform
 
 
 def test_temperature_scales_logits():

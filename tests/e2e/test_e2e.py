@@ -458,6 +458,20 @@ def test_bad_generate_requests(client, case, kwargs, code, words):
     assert words in str(exc.value)
 
 
+@pytest.mark.parametrize("sampling, words", [
+    (pb.SamplingParams(temperature=0.5, top_p=1.5), "top_p must be in (0, 1]"),
+    (pb.SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
+])
+def test_bad_sampling_sent_past_the_client_is_refused_by_the_coordinator(client, sampling, words):
+    """The Python client checks sampling settings itself; any other client's
+    reach the coordinator, which refuses them the same way."""
+    stub = pb_grpc.CoordinatorStub(client.channel)
+    request = pb.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=4, sampling=sampling)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.Generate(request, timeout=30))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in exc.value.details()
+
+
 def test_prompt_ids_may_be_arrays_tensors_or_iterators(client):
     """Token ids as tokenizers and models hand them out: numpy and torch
     integers (an array has no truth value, so the client must not ask it one)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from draft_service.servicer import add_to_server
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import SamplingParams
 from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
 from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2_grpc as pb_grpc

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specdec.core.sampling import SamplingParams
+from specdec.core.interfaces import SamplingParams
 from specdec.models.local import draft_tokens, new_draft_sequence, verify_drafts
 from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2 as pb

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.core.interfaces import DraftToken, Verdict
-from specdec.core.sampling import SamplingParams, SparseDist
+from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
+from specdec.core.sampling import SparseDist
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.errors import InvalidRequest

@@ -84,3 +84,20 @@ def test_network_time_is_what_the_client_waited_beyond_the_server(observed, serv
     """Clamped at 0: the two clocks are read at slightly different moments."""
     rec = RpcRecord("target", observed_s=observed, compute_s=server)
     assert rec.network_s == pytest.approx(network)
+
+
+def test_below_an_unsampled_span_no_span_is_made_and_the_decision_travels(provider):
+    """At a production sampling ratio most requests are not sampled: their calls
+    make no span, and the services learn from the W3C context that the trace
+    is not sampled (so they do not start traces of their own)."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    unsampled = NonRecordingSpan(SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(0)))
+    metrics = CoordinatorMetrics()
+    with trace.use_span(unsampled):
+        with ClientCalls("target", "specdec.v1.TargetService", metrics).call("Verify") as call:
+            call.record(RpcRecord("target", observed_s=0.02, compute_s=0.015))
+    (key, traceparent), = call.metadata
+    assert (key, traceparent) == ("traceparent", f"00-{0xABC:032x}-{0x123:016x}-00")
+    assert provider.memory.get_finished_spans() == ()
+    assert metrics.registry.get_sample_value("specdec_rpc_network_seconds_count", {"side": "target"}) == 1

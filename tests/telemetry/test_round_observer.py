@@ -10,9 +10,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.core.gamma import StaticGamma
-from specdec.core.interfaces import DraftToken, RoundResult, SessionState, Verdict
+from specdec.core.interfaces import DraftToken, RoundResult, SamplingParams, SessionState, Verdict
 from specdec.core.rounds import Limits, run_rounds
-from specdec.core.sampling import SamplingParams
 from specdec.telemetry import tracing
 from specdec.telemetry.calls import ClientCalls, RpcRecord
 from specdec.telemetry.metrics import ROUND_PHASES, CoordinatorMetrics
@@ -149,3 +148,17 @@ def test_the_round_loop_reports_every_round_inside_the_generation_span(provider)
     assert a["gen_ai.response.finish_reasons"] == ("length",) and a["specdec.rounds"] == 2
     assert metrics.registry.get_sample_value("specdec_generate_requests_total", {"finish_reason": "length"}) == 1
     assert metrics.registry.get_sample_value("specdec_rounds_total") == 2
+
+
+def test_rounds_of_an_unsampled_generation_make_no_span_but_count(provider):
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    metrics = CoordinatorMetrics()
+    observer = CoordinatorObserver(metrics)
+    unsampled = NonRecordingSpan(SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(0)))
+    with trace.use_span(unsampled):
+        _round(observer, 0, _result(gamma=3, accepted=2))
+        assert trace.get_current_span() is unsampled  # nothing left attached
+    assert provider.memory.get_finished_spans() == ()
+    assert metrics.registry.get_sample_value("specdec_spec_decode_num_draft_tokens_total") == 3

@@ -1,10 +1,37 @@
-"""What one Generate request did and cost: the final event of a stream, the same
-dataclass on the coordinator (which fills it) and in the client (which reads it);
-specdec.serving.convert carries it across."""
+"""One Generate call in plain types, the same on both ends: the request
+(:class:`GenerateJob`), and the events streamed back — a :class:`Delta` per
+round, then :class:`GenerationStats`. The client builds and reads them, the
+coordinator reads and fills them; :mod:`specdec.serving.convert` carries them
+across the wire. Nothing here imports torch, so a client stays light."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from specdec.core.interfaces import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateJob:
+    """A client's request."""
+
+    prompt: str = ""  # text; needs a tokenizer on the coordinator
+    prompt_ids: tuple[int, ...] = ()  # or token ids: exactly one of the two
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    gamma_policy: str = ""  # "" = the coordinator's default
+    stop: tuple[str, ...] = ()
+    session_id: str = ""  # "" = one-shot
+    draft_top_k: int | None = None  # None: the coordinator's default; 0: dense q
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Tokens committed by one round, and the text they complete (text waits for
+    whole characters, and for a possible stop string to be decided)."""
+
+    token_ids: list[int]
+    text: str
 
 
 @dataclasses.dataclass(frozen=True)
