@@ -142,8 +142,14 @@ class SpeculativeDecoder:
             target_forwards=len(rounds),
             elapsed_s=elapsed,
             finish_reason=rounds[-1].finish_reason or "length",
-            text=None if text is None else text.take() + text.finish(),
+            text=self._text(token_ids, text),
         )
+
+    def _text(self, token_ids: list[int], stream: TextStream | None) -> str | None:
+        if stream is not None:  # stop strings: what the stream released, up to the stop string
+            return stream.take() + stream.finish()
+        tok = self.tokenizer
+        return None if tok is None else tok.decode(token_ids, skip_special_tokens=True)
 
     @staticmethod
     def _policy(gamma: int | GammaPolicy) -> GammaPolicy:
@@ -154,12 +160,13 @@ class SpeculativeDecoder:
         return gamma
 
     def _text_stream(self, stop, prompt_ids: list[int]) -> TextStream | None:
-        """What turns tokens into text and finds stop strings; None without a tokenizer."""
+        """The stop condition: what turns tokens into text as they come and finds
+        stop strings; None without stop strings (the text is decoded once, at the end)."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
-        if self.tokenizer is None:
-            if stop:
-                raise ValueError(f"{self.target.path} has no tokenizer, so stop strings cannot be matched")
+        if not stop:
             return None
+        if self.tokenizer is None:
+            raise ValueError(f"{self.target.path} has no tokenizer, so stop strings cannot be matched")
         return TextStream(self.tokenizer, stop, context_ids=prompt_ids)
