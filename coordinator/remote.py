@@ -148,7 +148,6 @@ class SideStats:
     them, each with the service's own account (:class:`specdec.telemetry.calls.RpcRecord`)."""
 
     prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
-    refills: int = 0  # calls repeated from position 0 after NOT_FOUND
     calls: list[RpcRecord] = dataclasses.field(default_factory=list)
 
     def total(self, field: str) -> float:
@@ -264,7 +263,6 @@ class RemoteProposer:
         # The first forward runs the history the draft lacks; then one token per draft.
         if not s.calls or refill:
             s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
-        s.refills += refill
         s.calls.append(RpcRecord.of_call("draft", waited_s, timing, sent, received))
         return s.calls[-1]
 
@@ -301,7 +299,6 @@ class RemoteVerifier:
         s = self.stats
         if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
-        s.refills += retries.refilled
         s.calls.append(record)
         self.session.ids.next_id += 1  # Verify ends the round
         return Verdict(accepted=response.accepted, next_token=response.next_token)

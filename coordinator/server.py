@@ -50,10 +50,8 @@ def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
         if not has_tokenizer(path):
             raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
         return path
-    try:
-        from specdec.models import bundled
-    except ImportError:
-        return None
+    from specdec.models import bundled
+
     path = bundled.target_path()
     return path if has_tokenizer(path) else None
 

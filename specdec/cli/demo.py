@@ -21,7 +21,7 @@ DEFAULT_PROMPT = 'class Error(Exception):\n    """Base class for exceptions in t
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to complete (default: a Python function header)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to complete (default: the start of a Python class)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--gamma-policy", default="adaptive",
                    help="static:N | heuristic | adaptive (default adaptive)")
@@ -30,11 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.core.gamma import parse_gamma_policy
     from specdec.serving.client import Client
+    from specdec.serving.config import CoordinatorConfig
     from specdec.serving.server import free_port
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    parse_gamma_policy(args.gamma_policy, gamma_max=CoordinatorConfig.model_fields["gamma_max"].default)
     target, draft = model_dirs(args)
     log = pathlib.Path(tempfile.mkdtemp(prefix="specdec-demo-")) / "services.log"
     ports = {role: free_port() for role in ("coordinator", "draft", "target")}

@@ -405,23 +405,29 @@ class _DecayingMean:
 # ----------------------------------------------------------------- parsing
 
 
-def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
-    """``static:N`` | ``heuristic`` | ``adaptive`` -> a fresh policy; ValueError
+def parse_gamma_spec(spec: str) -> tuple[str, int | None]:
+    """``static:N`` | ``heuristic`` | ``adaptive`` -> (kind, N or None); ValueError
     naming the problem otherwise."""
     text = spec.strip().lower()
     if text.startswith("static:"):
         try:
-            gamma = int(text[len("static:"):])
+            return "static", int(text[len("static:"):])
         except ValueError:
             raise ValueError(f"gamma_policy {spec!r}: static:N needs an integer N") from None
+    if text in ("heuristic", "adaptive"):
+        return text, None
+    raise ValueError(f"gamma_policy {spec!r} is not understood: use 'static:N', 'heuristic' or 'adaptive'")
+
+
+def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
+    """``static:N`` | ``heuristic`` | ``adaptive`` -> a fresh policy; ValueError
+    naming the problem otherwise."""
+    kind, gamma = parse_gamma_spec(spec)
+    if kind == "static":
         if not 0 <= gamma <= gamma_max:
             raise ValueError(f"gamma_policy {spec!r}: gamma must be in [0, {gamma_max}], got {gamma}")
         return StaticGamma(gamma)
-    if text == "heuristic":
+    if kind == "heuristic":
         # gamma_max 0 (speculation off): γ starts at 0, and a round drafting nothing changes nothing
         return HeuristicGamma(gamma=min(HeuristicGamma.gamma, gamma_max), gamma_max=gamma_max)
-    if text == "adaptive":
-        return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max))
-    raise ValueError(
-        f"gamma_policy {spec!r} is not understood: use 'static:N' (0 <= N <= {gamma_max}), 'heuristic' or 'adaptive'"
-    )
+    return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max))

@@ -20,6 +20,14 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 5
 
 
+def decode_continuation(tokenizer, context_ids: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``context_ids``, all at once: what a
+    :class:`TextStream` given the same context releases for them, token by token."""
+    context = list(context_ids[-_CONTEXT_TOKENS:])
+    before = tokenizer.decode(context, skip_special_tokens=True)
+    return tokenizer.decode(context + list(ids), skip_special_tokens=True)[len(before):]
+
+
 class TextStream:
     """Feed generated token ids one at a time; get back the text they complete.
 

@@ -11,7 +11,7 @@ import time
 from specdec.core.gamma import GammaPolicy, StaticGamma
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K, NO_OBSERVER, RoundObserver, SamplingParams, SessionState
 from specdec.core.rounds import Limits, run_rounds
-from specdec.core.text import TextStream
+from specdec.core.text import TextStream, decode_continuation
 from specdec.core.vocabulary import check_same_vocabulary, check_token_ids
 from specdec.models.local import LocalProposer, LocalVerifier, new_draft_sequence
 from specdec.models.runner import ModelRunner
@@ -142,14 +142,14 @@ class SpeculativeDecoder:
             target_forwards=len(rounds),
             elapsed_s=elapsed,
             finish_reason=rounds[-1].finish_reason or "length",
-            text=self._text(token_ids, text),
+            text=self._text(prompt_ids, token_ids, text),
         )
 
-    def _text(self, token_ids: list[int], stream: TextStream | None) -> str | None:
+    def _text(self, prompt_ids: list[int], token_ids: list[int], stream: TextStream | None) -> str | None:
         if stream is not None:  # stop strings: what the stream released, up to the stop string
             return stream.take() + stream.finish()
         tok = self.tokenizer
-        return None if tok is None else tok.decode(token_ids, skip_special_tokens=True)
+        return None if tok is None else decode_continuation(tok, prompt_ids, token_ids)
 
     @staticmethod
     def _policy(gamma: int | GammaPolicy) -> GammaPolicy:

@@ -121,44 +121,87 @@ class LeanLlama:
         """Run ``input_ids`` [1, n] after the cached positions, appending their keys
         and values to ``cache``; return logits [logits_to_keep, V] for the last
         positions (what ``kv_cache.forward`` returns for Hugging Face's pass)."""
-        n = input_ids.shape[-1]
-        start, end = cache.length, cache.length + n
-        cache.reserve(end, self.max_positions)
-        cos, sin = self._rotary(start, end)
+        return self.forward_batch([BatchRow(input_ids[0].tolist(), cache, logits_to_keep)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        """One pass over a ragged batch: each row's new tokens after its own cached
+        positions, appended to its own cache. Returns each row's logits
+        [logits_to_keep, V] for its last positions.
+
+        Every token of every row goes through the projections and the MLP together
+        ([T, hidden] with T the batch's new tokens: where a batch saves time, since
+        the weights are read once); attention runs row by row, against the row's
+        own cache where it lies. A batch of one row is the unbatched pass."""
+        device = self.model.model.embed_tokens.weight.device
+        spans = []  # (first flat index, start position, new tokens) per row
+        flat: list[int] = []
+        for row in rows:
+            start = row.cache.length
+            row.cache.reserve(start + len(row.tokens), self.max_positions)
+            spans.append((len(flat), start, len(row.tokens)))
+            flat += row.tokens
+        total = len(flat)
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in spans]).to(device)
+        end = max(start + n for _, start, n in spans)
+        cos, sin = self._rotary(0, end)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]  # [T, 1, head_dim]: one angle per token
+
+        x = F.embedding(torch.tensor(flat, device=device), self.model.model.embed_tokens.weight)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm)
+            q = _rope(F.linear(h, attn.q_proj.weight).view(total, self.heads, self.head_dim), cos, sin)
+            k = _rope(F.linear(h, attn.k_proj.weight).view(total, self.kv_heads, self.head_dim), cos, sin)
+            v = F.linear(h, attn.v_proj.weight).view(total, self.kv_heads, self.head_dim)
+            out = torch.cat([self._attend(i, row.cache, q, k, v, span) for row, span in zip(rows, spans, strict=True)])
+            x = x + F.linear(out, attn.o_proj.weight)
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)
+        for row, (_, start, n) in zip(rows, spans, strict=True):
+            row.cache.length = start + n
+        kept = torch.cat([torch.arange(first + n - row.logits_to_keep, first + n)
+                          for row, (first, _, n) in zip(rows, spans, strict=True)]).to(device)
+        logits = F.linear(_rms_norm(x[kept], self.model.model.norm), self.model.lm_head.weight)
+        return list(logits.split([row.logits_to_keep for row in rows]))
+
+    def _attend(self, layer: int, cache: LeanCache, q, k, v, span: tuple[int, int, int]) -> torch.Tensor:
+        """One row's attention in one layer: its new keys and values [n, kv_heads,
+        head_dim] written into its cache, its queries against every position up to
+        each; returns [n, heads * head_dim]."""
+        first, start, n = span
+        end = start + n
+        cache.keys[layer, :, start:end] = k[first:first + n].transpose(0, 1)
+        cache.values[layer, :, start:end] = v[first:first + n].transpose(0, 1)
         # A new token at position start+i sees every cached position and the new
         # ones up to itself: causal when nothing is cached, an offset mask when
         # something is, none for one token alone.
         mask = None
         if n > 1 and start:
-            mask = torch.ones(n, end, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)
+            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
         # With a mask, SDPA's fused CUDA kernels take grouped K/V only repeated
         # out (as Hugging Face does); without one they take them as they are.
         groups = self.heads // self.kv_heads if mask is not None else 1
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(
+            q[first:first + n].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            is_causal=n > 1 and not start, enable_gqa=keys.shape[0] != self.heads,
+        )[0]  # [heads, n, head_dim]
+        return out.transpose(0, 1).reshape(n, -1)
 
-        x = F.embedding(input_ids[0], self.model.model.embed_tokens.weight)  # [n, hidden]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm)
-            q = F.linear(h, attn.q_proj.weight).view(n, self.heads, self.head_dim).transpose(0, 1)
-            k = F.linear(h, attn.k_proj.weight).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            v = F.linear(h, attn.v_proj.weight).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            cache.keys[i, :, start:end] = _rope(k, cos, sin)
-            cache.values[i, :, start:end] = v
-            keys, values = cache.keys[i, :, :end], cache.values[i, :, :end]
-            if groups > 1:
-                keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-            out = F.scaled_dot_product_attention(
-                _rope(q, cos, sin)[None], keys[None], values[None], attn_mask=mask,
-                is_causal=n > 1 and not start, enable_gqa=keys.shape[0] != self.heads,
-            )[0]
-            x = x + F.linear(out.transpose(0, 1).reshape(n, -1), attn.o_proj.weight)
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
-        cache.length = end
-        x = _rms_norm(x[-logits_to_keep:], self.model.model.norm)
-        return F.linear(x, self.model.lm_head.weight)
+
+@dataclasses.dataclass
+class BatchRow:
+    """One sequence's part of a batched pass: the ``tokens`` to run after what
+    ``cache`` holds, and how many of the last positions' logits to return."""
+
+    tokens: list[int]
+    cache: LeanCache
+    logits_to_keep: int
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -168,7 +211,7 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [heads, n, head_dim] by position: each half-pair (a, b) of a head's
+    """Rotate [..., head_dim] by position (``cos``, ``sin`` broadcast to it): each half-pair (a, b) of a head's
     dimensions turns by the position's angle, (a cos - b sin, b cos + a sin)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

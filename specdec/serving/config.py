@@ -30,10 +30,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from specdec.core.gamma import parse_gamma_policy, parse_gamma_spec
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 
 MiB = 1 << 20
@@ -170,6 +171,32 @@ class CoordinatorConfig(BaseServiceConfig):
         json_schema_extra={"flag": "--info-timeout", "metavar": "SECONDS"})
     max_workers: int = Field(64, gt=0, description="threads running round loops (concurrent Generate streams)")
 
+    @field_validator("draft", "target")
+    @classmethod
+    def _grpc_address(cls, value: str) -> str:
+        # HOST:PORT, [IPv6]:PORT, or a gRPC target with a scheme (unix:PATH, dns:///NAME:PORT)
+        if re.fullmatch(r"\S+:\d{1,5}", value) or re.fullmatch(r"[a-z][a-z0-9+.-]*:\S+", value):
+            return value
+        raise ValueError("must be HOST:PORT or a gRPC target such as unix:PATH")
+
+    @field_validator("default_gamma_policy")
+    @classmethod
+    def _known_gamma_policy(cls, value: str) -> str:
+        try:
+            parse_gamma_spec(value)  # the range is checked against --gamma-max below
+        except ValueError:
+            raise ValueError("must be static:N, heuristic or adaptive") from None
+        return value
+
+    @model_validator(mode="after")
+    def _gamma_policy_within_gamma_max(self):
+        try:
+            parse_gamma_policy(self.default_gamma_policy, self.gamma_max)
+        except ValueError:
+            raise ValueError(f"--gamma-policy {self.default_gamma_policy} asks for more than "
+                             f"--gamma-max {self.gamma_max}") from None
+        return self
+
 
 CONFIG_CLASSES: dict[str, type[BaseServiceConfig]] = {
     "coordinator": CoordinatorConfig, "draft": DraftConfig, "target": TargetConfig}
@@ -251,6 +278,8 @@ def command_line(cls: type[BaseServiceConfig], **values: Any) -> list[str]:
 
 def _explain(cls: type[BaseServiceConfig], error: Mapping[str, Any], flags: Mapping[str, Any]) -> str:
     """One pydantic error as a sentence naming the flag, or the variable it came from."""
+    if not error["loc"]:  # a check across settings: its message names them
+        return error["msg"].removeprefix("Value error, ")
     name = error["loc"][0]
     ctx = error.get("ctx", {})
     bounds = [f"must be {sign} {ctx[key]:g}" for key, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
@@ -260,7 +289,7 @@ def _explain(cls: type[BaseServiceConfig], error: Mapping[str, Any], flags: Mapp
     elif error["type"].endswith("_parsing") or error["type"] == "int_from_float":
         problem = f"is not a valid {error['type'].split('_')[0]}"  # int_parsing -> int
     else:
-        problem = error["msg"].replace("Input should be", "must be")
+        problem = error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
     flag = flag_name(cls, name)
     env = next((env for env in env_names(cls, name) if os.environ.get(env)), None)
     if name in flags or env is None:

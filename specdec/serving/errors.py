@@ -109,7 +109,7 @@ def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     text for an RpcError that carries neither)."""
     try:
         return err.code(), err.details() or ""
-    except Exception:  # noqa: BLE001 -- not a call's error
+    except Exception:  # not a call's error
         return grpc.StatusCode.UNKNOWN, str(err)
 
 
@@ -124,7 +124,7 @@ def raised_by_server(err: grpc.RpcError) -> str | None:
     the status did not come from one (a connection failure, a deadline)."""
     try:
         metadata = err.trailing_metadata() or ()
-    except Exception:  # noqa: BLE001 -- not a call's error
+    except Exception:  # not a call's error
         return None
     return next((value for key, value in metadata if key == ERROR_TYPE_KEY), None)
 

@@ -170,7 +170,7 @@ class ModelHost:
             timing = ServerTiming()
             try:
                 self._timed(timing, fn, *args, timing, stop)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("background work on the %s model failed", self.config.role)
             if self.metrics is not None:
                 self.metrics.observe_timing(timing)

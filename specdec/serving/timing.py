@@ -16,13 +16,3 @@ class ServerTiming:
     compute_s: float = 0.0  # forward passes, sampling, verification (copies excluded)
     copy_s: float = 0.0  # host <-> device copies of inputs and outputs
     computed_tokens: int = 0  # tokens run through the model in this call
-
-    @property
-    def total_s(self) -> float:
-        return self.queue_s + self.compute_s + self.copy_s
-
-    def add(self, other: ServerTiming) -> None:
-        self.queue_s += other.queue_s
-        self.compute_s += other.compute_s
-        self.copy_s += other.copy_s
-        self.computed_tokens += other.computed_tokens

@@ -130,5 +130,5 @@ class Call:
 def _status(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     try:
         return error.code(), error.details() or ""
-    except Exception:  # noqa: BLE001 -- an RpcError that is not a call's
+    except Exception:  # an RpcError that is not a call's
         return grpc.StatusCode.UNKNOWN, str(error)

@@ -41,7 +41,6 @@ from specdec.telemetry.trace_file import JsonLinesSpanExporter
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "specdec"
-TRACE_FILE_ENV = "SPECDEC_TRACE_FILE"
 SUPPORTED_EXPORTERS = ("otlp", "console")
 
 
@@ -144,7 +143,6 @@ def setup_tracing(service_name: str, trace_file: str | os.PathLike | None = None
     read their own settings (endpoint, headers, timeout, TLS) from
     ``os.environ``, as the SDK does."""
     environ = os.environ if environ is None else environ
-    trace_file = trace_file or environ.get(TRACE_FILE_ENV) or None
     if sdk_disabled(environ):
         if trace_file:
             log.warning("OTEL_SDK_DISABLED=true: tracing is off, %s is not written", trace_file)

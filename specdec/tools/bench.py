@@ -28,12 +28,13 @@ import json
 import os
 import pathlib
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import torch
+
+from specdec.serving.server import free_port
 
 DRAFT_CORE, TARGET_CORE = 0, 1
 IN_PROCESS_CORE = 1
@@ -118,12 +119,6 @@ def run_hf_assisted(target, draft, prompt, new_tokens, sampling, schedule: str, 
 
 
 # ------------------------------------------------------------------ distributed runs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:

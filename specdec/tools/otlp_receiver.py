@@ -3,7 +3,7 @@
 Not a collector: it exists so tests and ``specdec bench-tracing`` can export to a
 *real* OTLP endpoint (the exporters, serialisation and network path all run as
 in production) without installing one. Spans come back flattened into the same
-dicts as the trace file (:func:`specdec.telemetry.tracing.span_to_dict`).
+dicts as the trace file (:func:`specdec.telemetry.trace_file.span_to_dict`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The coordinator's engine against scripted fake draft/target services (real gRPC
 on loopback, no models): EOS, stop strings, eviction and re-pre-fill, cancellation,
-the vocabulary check; plus its pure parts (text stream, γ policies, directory).
+the vocabulary check; plus its pure parts (γ policies, directory).
 
 The fake "language": the target's next token is a pure function of the position,
 spelling TEXT over and over; the draft agrees except at every 4th position, so
@@ -20,7 +20,6 @@ from coordinator.engine import Coordinator
 from coordinator.learned_gamma import regime
 from coordinator.requests import parse_gamma_policy
 from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
-from specdec.core.text import TextStream
 from specdec.models.tokenizer import load_tokenizer
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -229,25 +228,6 @@ def test_stop_string_across_rounds_and_the_session_continues_after_it(fakes, tok
     assert record.tokens == list(b"hel") + ids
     ids2, _, _ = run(engine, prompt_ids=(33,), max_new_tokens=5, session_id="s")
     assert ids2 == expected_tokens(len(record.tokens) + 1, 5)
-
-
-def test_stop_string_held_back_until_decided(tokenizer):
-    stream = TextStream(tokenizer, stop=["abc"])
-    assert [stream.push(t) for t in b"xxab"] == ["x", "x", "", ""]  # "ab" may start "abc"
-    assert stream.push(ord("d")) == "abd"
-    assert stream.push(ord("a")) == "" and stream.push(ord("b")) == ""
-    assert stream.push(ord("c")) == "" and stream.stopped
-
-
-def test_text_waits_for_whole_utf8_characters(tokenizer):
-    text = "é✓日本 ok"
-    stream = TextStream(tokenizer)
-    out = [stream.push(b) for b in text.encode()] + [stream.finish()]
-    assert "".join(out) == text
-    assert all("\ufffd" not in piece for piece in out)
-    cut = TextStream(tokenizer)
-    assert "".join([cut.push(b) for b in "日".encode()[:2]]) == ""
-    assert cut.finish() == "\ufffd"  # an unfinished character at the very end shows as a full decode would
 
 
 def test_evicted_sessions_are_re_pre_filled_from_the_history(fakes):

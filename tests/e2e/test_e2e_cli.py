@@ -177,7 +177,7 @@ def test_help_and_light_commands_start_without_torch():
     client and `specdec generate --coordinator` load neither torch nor
     transformers (seconds of start-up and ~190 MB on a small machine):
     `import specdec` is lazy, the CLI imports only the command it runs, and
-    proto_convert imports torch-bearing types where they are used."""
+    serving.convert imports torch-bearing types where they are used."""
     probe = (
         "import sys, contextlib, io, socket\n"
         "import specdec\n"

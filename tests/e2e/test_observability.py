@@ -1,4 +1,4 @@
-"""Observability end to end (issue 6): draft, target and coordinator as three
+"""Observability end to end: draft, target and coordinator as three
 processes, exporting OTLP/gRPC to a real receiver started here and serving
 Prometheus metrics; one Generate must be one trace across the three, with the
 right parent/child links and attributes, and the counters must move by exactly

@@ -129,3 +129,33 @@ def test_only_the_draft_service_runs_lean(role, lean):
         return host.runner.lean
 
     assert asyncio.run(load()) is lean
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_ragged_batched_pass_gives_each_row_the_logits_of_its_own_pass(dtype):
+    """Rows of different context lengths (none cached, some, much), running
+    different numbers of new tokens (1, several, a prefill), in one pass."""
+    from specdec.models.lean_llama import BatchRow
+
+    lean = LeanLlama(tiny_llama().to(dtype))
+    gen = torch.Generator().manual_seed(2)
+    contexts = [0, 3, 40, 17, 250]
+    new = [12, 1, 5, 1, 3]
+    alone, batched = [], []
+    for context, n in zip(contexts, new, strict=True):
+        tokens = torch.randint(0, 64, (context + n,), generator=gen).tolist()
+        pair = (lean.new_cache(), lean.new_cache())
+        for cache in pair:
+            if context:
+                lean.forward_batch([BatchRow(tokens[:context], cache, 1)])
+        alone.append((tokens[context:], pair[0]))
+        batched.append(BatchRow(tokens[context:], pair[1], n))
+    expected = [lean.forward_batch([BatchRow(t, c, len(t))])[0] for t, c in alone]
+    got = lean.forward_batch(batched)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for row, want, have, context in zip(batched, expected, got, contexts, strict=True):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, **tolerance)
+        assert row.cache.length == context + len(row.tokens)
+        torch.testing.assert_close(row.cache.keys[:, :, :row.cache.length],
+                                   alone[batched.index(row)][1].keys[:, :, :row.cache.length], **tolerance)

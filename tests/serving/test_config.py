@@ -76,6 +76,13 @@ def test_a_flag_overrides_a_bad_variable(monkeypatch):
     (CoordinatorConfig, {"call_timeout_s": 0.0}, {}, "--call-timeout must be > 0, got 0.0"),
     (CoordinatorConfig, {"port": 70000}, {}, "--port must be <= 65535, got 70000"),
     (TargetConfig, {"dtype": "int8"}, {}, "--dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"),
+    (CoordinatorConfig, {"draft": "localhost"}, {},
+     "--draft must be HOST:PORT or a gRPC target such as unix:PATH, got 'localhost'"),
+    (CoordinatorConfig, {}, {"SPECDEC_DEFAULT_GAMMA_POLICY": "fast"},
+     "environment variable SPECDEC_DEFAULT_GAMMA_POLICY='fast' must be static:N, heuristic or adaptive "
+     "(it sets --gamma-policy)"),
+    (CoordinatorConfig, {"default_gamma_policy": "static:9", "gamma_max": 8}, {},
+     "--gamma-policy static:9 asks for more than --gamma-max 8"),
 ])
 def test_a_bad_value_is_a_value_error_naming_the_flag_or_variable(monkeypatch, cls, flags, env, message):
     for name, value in env.items():
