@@ -301,4 +301,5 @@ class RemoteVerifier:
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.calls.append(record)
         self.session.ids.next_id += 1  # Verify ends the round
-        return Verdict(accepted=response.accepted, next_token=response.next_token)
+        return Verdict(accepted=response.accepted, next_token=response.next_token,
+                       batch_sequences=max(1.0, response.timing.batch_sequences))

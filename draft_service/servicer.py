@@ -1,8 +1,9 @@
-"""DraftService: decode the request, draft with :func:`specdec.models.local.draft_tokens`
-on the session's sequence, stream each token as soon as it exists.
+"""DraftService: decode the request, draft with :func:`specdec.models.local.draft_steps`
+on the session's sequence (each step one forward pass, batched with other
+sessions'), stream each token as soon as it exists.
 
-Validation, sessions, the model executor and timings are shared with the target
-service in :mod:`specdec.serving.model_host`.
+Validation, sessions, the batched model passes and timings are shared with the
+target service in :mod:`specdec.serving.model_host`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from specdec.core.interfaces import DraftToken
-from specdec.models.local import draft_ahead, draft_tokens, held_tokens, new_draft_sequence
+from specdec.models.local import draft_ahead_steps, draft_steps, held_tokens, new_draft_sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -39,23 +40,18 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     yield msg
                 return
             timing = ServerTiming()
-            steps = draft_tokens(host.runner, session.state, request.position, new_tokens, gamma,
-                                 params, request.draft_top_k)
-            # The whole round is one executor job (a hop to the executor and back per
-            # token cost more than drafting it); each token is handed to the event
-            # loop as soon as it exists and streamed from there.
+            steps = draft_steps(host.runner, session.state, request.position, new_tokens, gamma,
+                                params, request.draft_top_k)
+            # Each token is handed to the event loop as soon as it exists (on the
+            # model's thread, its q already copied to the host) and streamed from there.
             loop = asyncio.get_running_loop()
             drafted: asyncio.Queue[DraftToken] = asyncio.Queue()
 
-            def draft_all() -> int:
-                """Draft on the executor; returns how many drafts were made ahead and reused."""
-                ahead = session.state.ahead  # read here: drafting ahead may have run since the call came in
-                for draft in steps:
-                    on_host = DraftToken(draft.token, host.to_host(draft.q, timing))
-                    loop.call_soon_threadsafe(drafted.put_nowait, on_host)
-                return ahead.reused if ahead is not None else 0
+            def on_draft(draft: DraftToken) -> None:
+                on_host = DraftToken(draft.token, host.to_host(draft.q, timing))
+                loop.call_soon_threadsafe(drafted.put_nowait, on_host)
 
-            job = asyncio.ensure_future(host.run(timing, draft_all))
+            job = asyncio.ensure_future(host.run_steps(steps, timing, on_draft))
             sent = []
             for i in range(gamma):
                 if i == gamma - 1:
@@ -64,26 +60,30 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 msg = pc.draft_token_to_proto(draft, timing if i == gamma - 1 else None)
                 sent.append(msg)
                 yield msg
-            reused = await job  # γ = 0: the roll-back and append still happen
+            reused = await job  # drafts made ahead and reused; γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
             if host.metrics is not None and reused:
                 host.metrics.observe_draft_ahead(reused=reused)
             if gamma and host.config.draft_ahead:
-                host.run_in_background(self._draft_ahead, session, params, request.draft_top_k, gamma)
+                host.run_in_background(self._draft_ahead(session, params, request.draft_top_k, gamma))
 
-    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int, timing: ServerTiming, stop) -> None:
+    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int):
         """While the target verifies, this device would idle: draft the next round
-        as if every draft is accepted (:func:`specdec.models.local.draft_ahead`): the
-        guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
-        either way: a later Propose reuses only drafts it would make itself. Runs
-        on the model's executor; stops early if the session ends meanwhile."""
+        as if every draft is accepted (:func:`specdec.models.local.draft_ahead_steps`):
+        the guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
+        either way: a later Propose reuses only drafts it would make itself. Runs in
+        passes no call waits for; stops when a call arrives or the session ends."""
         host, seq = self.host, session.state
-        made = draft_ahead(host.runner, seq, params, draft_top_k, 1 + gamma + DRAFT_AHEAD_EXTRA,
-                           lambda: stop() or not host.sessions.holds(session))
-        # q leaves the device now rather than on the next call's critical path.
-        seq.ahead.drafts[:] = [DraftToken(d.token, host.to_host(d.q, timing)) for d in seq.ahead.drafts]
-        if host.metrics is not None:
-            host.metrics.observe_draft_ahead(made=max(0, made - 1))  # the guess itself is never reused
+        scheduler = host.scheduler
+        try:
+            yield from draft_ahead_steps(host.runner, seq, params, draft_top_k, 1 + gamma + DRAFT_AHEAD_EXTRA,
+                                         lambda: scheduler.calls_waiting() or not host.sessions.holds(session))
+        finally:  # also when closed: the drafts made so far stay usable
+            drafts = seq.ahead.drafts if seq.ahead is not None else []
+            # q leaves the device now rather than on the next call's critical path.
+            drafts[:] = [DraftToken(d.token, host.to_host(d.q, ServerTiming())) for d in drafts]
+            if host.metrics is not None:
+                host.metrics.observe_draft_ahead(made=max(0, len(drafts) - 1))  # the guess is never reused
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)

@@ -1,15 +1,15 @@
 """TargetService: decode the request, judge the drafts with
-:func:`specdec.models.local.verify_drafts` on the session's sequence (one forward pass),
-answer the verdict.
+:func:`specdec.models.local.verify_steps` on the session's sequence (one forward
+pass, batched with other sessions'), answer the verdict.
 
-Validation, sessions, the model executor and timings are shared with the draft
-service in :mod:`specdec.serving.model_host`.
+Validation, sessions, the batched model passes and timings are shared with the
+draft service in :mod:`specdec.serving.model_host`.
 """
 
 from __future__ import annotations
 
 from specdec.core.interfaces import DraftToken
-from specdec.models.local import verify_drafts
+from specdec.models.local import verify_steps
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -37,11 +37,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 return recorded
             timing = ServerTiming()
 
-            def work():
+            def steps():
                 drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs, strict=True)]
-                return verify_drafts(host.runner, session.state, request.position, new_tokens, drafts, params)
+                return (yield from verify_steps(host.runner, session.state, request.position, new_tokens, drafts,
+                                                params))
 
-            verdict = await host.run(timing, work)
+            verdict = await host.run_steps(steps(), timing)
             response = pc.verdict_to_proto(verdict, timing)
             session.record(request.round_id, key, response)
             return response

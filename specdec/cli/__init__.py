@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-overhead": ("specdec.tools.bench_overhead", "measure the decoder's per-round overhead"),
     "trace-report": ("specdec.tools.trace_report", "per-round time breakdown (and PNG) from --trace-file traces"),
     "bench-tracing": ("specdec.tools.bench_tracing", "tokens/s with tracing exporting vs off, side by side"),
+    "loadtest": ("specdec.tools.loadtest", "many concurrent streaming sessions against a coordinator"),
 }
 
 

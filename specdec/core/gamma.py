@@ -152,7 +152,19 @@ class AdaptiveGamma:
     * draft time (decayed means): per token from the gaps between streamed drafts, the rest
       (round trip, pre-fill of new tokens) as the fixed part;
     * verify time as a linear function of γ (decayed least squares; the fixed
-      part holds the round trip to the target).
+      part holds the round trip to the target);
+    * the load: how many sessions share the target's verifying pass (decayed
+      mean, as the target reports it).
+
+    Under load the goal is the tokens per second of the *system*, not of this
+    session. In a pass shared by n sessions each draft this session adds costs
+    every one of them the pass's per-token time: with n alike sessions, total
+    tokens/s n·E(γ) / (a + b·Σ(1 + γ)) is maximised where this session's
+    E(γ) / (a' + n·b·γ) is, so the verify slope is taken n times. Where the
+    target's passes are cheap per token (a GPU far from saturation) γ stays; where
+    they are not (a saturated target) γ falls, to 0 once a draft no longer pays
+    for n times its verification -- vLLM turns speculation off at large batches
+    for the same reason.
 
     Rounds that began with a pre-fill (a new prompt, or a side catching up after
     γ = 0 rounds) teach acceptance but not cost.
@@ -213,6 +225,7 @@ class AdaptiveGamma:
         self._draft_fixed = _DecayingMean(self.decay)
         self._draft_per_token = _DecayingMean(self.decay)
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
+        self._load = _DecayingMean(self.decay)  # sessions sharing the verifying pass
         self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
         self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
 
@@ -230,7 +243,9 @@ class AdaptiveGamma:
         if self._draft_fixed.value is None or self._verify.w == 0:
             return None
         slope = self._verify_slope
-        return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope), slope)
+        load = self._load.value or 1.0
+        return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope),
+                         slope * load)
 
     def for_new_request(self, carry: float = 0.25) -> AdaptiveGamma:
         """A copy to start the next request from: the round costs belong to the
@@ -249,7 +264,8 @@ class AdaptiveGamma:
             f"draft {cost.draft_fixed * 1e3:.2f} ms + {cost.draft_per_token * 1e3:.2f} ms/token, "
             f"verify {cost.verify_fixed * 1e3:.2f} ms + {cost.verify_per_token * 1e3:.2f} ms/token")
         alphas = " ".join(f"{a:.2f}" for a in self.alphas()[:6])
-        return (f"{costs}; α by position {alphas}; best γ {self.best()}"
+        load = f"; {self._load.value:.1f} sessions per verifying pass" if (self._load.value or 1) > 1 else ""
+        return (f"{costs}{load}; α by position {alphas}; best γ {self.best()}"
                 f"{f', idle {self._since_drafted} rounds' if self.idle else ''}")
 
     # -- policy ---------------------------------------------------------------
@@ -337,6 +353,7 @@ class AdaptiveGamma:
             self._tried[i] += 1
             if i < n:
                 self._accepted[i] += 1
+        self._load.add(max(1.0, result.verify_batch))
         if not result.target_caught_up:  # a pre-fill is not what a round costs
             if probe:
                 self._check_verify_slope(g, result.verify_s)

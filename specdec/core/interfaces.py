@@ -89,6 +89,7 @@ class DraftToken:
 class Verdict:
     accepted: int  # how many drafts were accepted (0..γ)
     next_token: int  # the correction (if accepted < γ) or the bonus token
+    batch_sequences: float = 1.0  # sessions that shared the verifying pass (a batching target reports it)
 
 
 class Proposer(Protocol):
@@ -129,6 +130,7 @@ class RoundResult:
     # token of the last round): a pre-fill, or the draft catching up after γ = 0.
     draft_caught_up: int = 0
     target_caught_up: int = 0
+    verify_batch: float = 1.0  # sessions that shared the verifying pass
 
 
 class RoundObserver(Protocol):

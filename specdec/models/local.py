@@ -1,18 +1,58 @@
 """Drafting and verifying with a local model: the compute behind the draft and
-target services and the in-process decoder alike."""
+target services and the in-process decoder alike.
+
+Each piece of work is written once, as *steps*: a generator that yields a
+:class:`~specdec.models.runner.Pass` when it needs logits (and is sent them back),
+yields a :class:`DraftToken` whenever it has drafted one, and returns its result.
+Who runs the passes is not its business: :func:`run_alone` runs each as its own
+forward pass (the in-process decoder); the services' scheduler runs the passes of
+many sessions' steps together, in one batched forward pass
+(:mod:`specdec.serving.scheduler`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import torch
 
 from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
 from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
-from specdec.models.runner import ModelRunner, Sequence
+from specdec.models.runner import ModelRunner, Pass, Sequence
+
+# yields a Pass (sent its logits [last, V] back) or a DraftToken (sent None); returns R
+Steps = Generator["Pass | DraftToken", "torch.Tensor | None", Any]
 
 
-def draft_tokens(
+def run_alone(runner: ModelRunner, steps: Steps) -> Generator[DraftToken, None, Any]:
+    """Drive ``steps`` with one forward pass per :class:`Pass`: yields its drafts
+    as they are made, returns its result."""
+    reply = None
+    while True:
+        try:
+            item = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(item, Pass):
+            reply = runner.run_passes([item])[0]
+        else:
+            reply = None
+            yield item
+
+
+def result_alone(runner: ModelRunner, steps: Steps) -> Any:
+    """The result of ``steps`` (which draft nothing), each pass run alone."""
+    driver = run_alone(runner, steps)
+    try:
+        next(driver)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("these steps draft tokens: iterate run_alone() instead")
+
+
+def draft_steps(
     runner: ModelRunner,
     seq: DraftSequence,
     position: int,
@@ -20,17 +60,16 @@ def draft_tokens(
     gamma: int,
     params: SamplingParams,
     draft_top_k: int = 0,
-) -> Iterator[DraftToken]:
+) -> Steps:
     """Roll ``seq`` back to ``position``, append ``new_tokens``, then sample
     ``gamma`` tokens one by one, yielding each with the distribution it was
-    sampled from (truncated to the top ``draft_top_k`` when > 0).
+    sampled from (truncated to the top ``draft_top_k`` when > 0). Returns how
+    many drafts made ahead it reused.
 
-    Drafts that :func:`draft_ahead` made since the last call and that this call
-    would make again are yielded without running the model."""
+    Drafts that :func:`draft_ahead_steps` made since the last call and that this
+    call would make again are yielded without running the model."""
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
     reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
-    if ahead is not None:
-        ahead.reused = len(reused)
     if reused:  # seq already holds new_tokens and the reused drafts after position
         held = position + len(new_tokens) + len(reused)
         runner.rollback(seq, held)
@@ -42,16 +81,23 @@ def draft_tokens(
             runner.uncache(seq, ahead.cached)
         seq.tokens.extend(new_tokens)
     for _ in range(gamma - len(reused)):
-        yield draft_one(runner, seq, params, draft_top_k)
+        yield (yield from draft_one(runner, seq, params, draft_top_k))
+    return len(reused)
+
+
+def draft_tokens(runner: ModelRunner, seq: DraftSequence, position: int, new_tokens: list[int], gamma: int,
+                 params: SamplingParams, draft_top_k: int = 0) -> Iterator[DraftToken]:
+    """:func:`draft_steps` with each pass run alone: the drafts, as they are made."""
+    return run_alone(runner, draft_steps(runner, seq, position, new_tokens, gamma, params, draft_top_k))
 
 
 def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int,
-              run: int = 1) -> DraftToken:
-    """Sample the token after ``seq`` and append it. The draw is a pure function of
-    (the tokens before it, params, seed, k): the seed's uniform for this position.
-    ``run``: run at least the last ``run`` tokens, cached or not (see
-    :func:`draft_ahead`)."""
-    logits = runner.logits(seq, 1, run)[0]
+              run: int = 1) -> Steps:
+    """Sample the token after ``seq``, append it and return it. The draw is a pure
+    function of (the tokens before it, params, seed, k): the seed's uniform for
+    this position. ``run``: run at least the last ``run`` tokens, cached or not
+    (see :func:`draft_ahead_steps`)."""
+    logits = (yield Pass(seq, 1, run))[0]
     if params.greedy:
         token, q = int(logits.argmax()), None
     else:
@@ -83,14 +129,13 @@ class DraftsAhead:
     """What :func:`draft_ahead` made: ``drafts`` are ``seq.tokens[start:]``, the
     first of them the guess at the target's next token, drafted with ``params``
     and ``draft_top_k``; the KV cache held ``cached`` positions before.
-    ``reused``: how many the next request took (set by :func:`draft_tokens`)."""
+    """
 
     start: int
     cached: int
     drafts: list[DraftToken]
     params: SamplingParams
     draft_top_k: int
-    reused: int = 0
 
     def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
                  params: SamplingParams, draft_top_k: int) -> list[DraftToken]:
@@ -118,14 +163,15 @@ def held_tokens(seq: DraftSequence) -> int:
     return ahead.start if ahead is not None else len(seq.tokens)
 
 
-def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int, count: int,
-                stop: Callable[[], bool]) -> int:
+def draft_ahead_steps(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int,
+                      count: int, stop: Callable[[], bool]) -> Steps:
     """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will
     accept every draft and pick the draft's own next token (the guess) after
     them: done on the draft's device while the target verifies, so when the
     guess is right the next round's drafts already exist (kept in ``seq.ahead``
-    for the next :func:`draft_tokens`). ``stop`` is asked before each token:
-    real work waiting for the model comes first. Returns how many were made.
+    for the next :func:`draft_steps`). ``stop`` is asked before each token:
+    real work waiting for the model comes first. Returns how many were made;
+    closed between passes, it leaves ``seq.ahead`` holding what it made.
 
     Float rounding depends on how tokens are grouped into passes, so the passes
     are those of a fresh request: the next request would run the tokens not yet
@@ -136,27 +182,33 @@ def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams,
     seq.ahead = DraftsAhead(start, cached, drafts, params, draft_top_k)
     while len(drafts) < count and len(seq.tokens) < runner.max_context and not stop():
         run = start - cached + 1 if len(drafts) == 1 else 1
-        drafts.append(draft_one(runner, seq, params, draft_top_k, run))
+        drafts.append((yield from draft_one(runner, seq, params, draft_top_k, run)))
     return len(drafts)
 
 
-def verify_drafts(
+def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int, count: int,
+                stop: Callable[[], bool]) -> int:
+    """:func:`draft_ahead_steps`, each pass run alone."""
+    return result_alone(runner, draft_ahead_steps(runner, seq, params, draft_top_k, count, stop))
+
+
+def verify_steps(
     runner: ModelRunner,
     seq: Sequence,
     position: int,
     new_tokens: list[int],
     drafts: list[DraftToken],
     params: SamplingParams,
-) -> Verdict:
+) -> Steps:
     """Roll ``seq`` back to ``position``, append ``new_tokens`` and the drafts, run
     them in one forward pass and judge the drafts. Afterwards ``seq`` holds the
-    accepted drafts followed by the next token (not yet run)."""
+    accepted drafts followed by the next token (not yet run). Returns the Verdict."""
     runner.rollback(seq, position)
     seq.tokens.extend(new_tokens)
     first = len(seq.tokens)  # where drafts[0] lands
     tokens = [d.token for d in drafts]
     seq.tokens.extend(tokens)
-    logits = runner.logits(seq, len(drafts) + 1)
+    logits = yield Pass(seq, len(drafts) + 1)
     if params.greedy:
         verdict = verify_greedy(tokens, logits)
     else:
@@ -166,6 +218,12 @@ def verify_drafts(
     runner.rollback(seq, first + verdict.accepted)
     seq.tokens.append(verdict.next_token)
     return verdict
+
+
+def verify_drafts(runner: ModelRunner, seq: Sequence, position: int, new_tokens: list[int],
+                  drafts: list[DraftToken], params: SamplingParams) -> Verdict:
+    """:func:`verify_steps` run alone."""
+    return result_alone(runner, verify_steps(runner, seq, position, new_tokens, drafts, params))
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import torch
 
 from specdec.core.vocabulary import check_token_ids
 from specdec.models import kv_cache
-from specdec.models.lean_llama import LeanLlama, unsupported_reason
+from specdec.models.lean_llama import BatchRow, LeanLlama, unsupported_reason
 from specdec.models.tokenizer import load_tokenizer, vocabulary_fingerprint
 
 # Never reach for a hub: models come from local directories only.
@@ -36,6 +36,19 @@ class Sequence:
     @property
     def cache_length(self) -> int:
         return kv_cache.cache_length(self.cache)
+
+
+@dataclasses.dataclass
+class Pass:
+    """What one sequence asks of a forward pass: logits predicting the tokens
+    after each of the last ``last`` positions of ``seq.tokens``, with at least
+    the last ``run`` tokens run (recomputed if cached). :meth:`ModelRunner.run_passes`
+    sets ``ran``: how many tokens it ran."""
+
+    seq: Sequence
+    last: int = 1
+    run: int = 0
+    ran: int = 0
 
 
 class ModelRunner:
@@ -79,6 +92,17 @@ class ModelRunner:
         self.fingerprint: str = vocabulary_fingerprint(self.path, self.vocab_size)
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Device memory one token of one session's KV cache takes: keys and values
+        of every layer."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        element = self.model.get_input_embeddings().weight.element_size()
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+    @property
     def lean(self) -> bool:
         return isinstance(self.forward_model, LeanLlama)
 
@@ -106,7 +130,6 @@ class ModelRunner:
         if seq.cache_length > keep:
             kv_cache.crop_cache(seq.cache, keep)
 
-    @torch.inference_mode()
     def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         """Run the pending tokens; return float32 logits [last, V] predicting the
         tokens after each of the last ``last`` positions of ``seq.tokens``.
@@ -114,18 +137,47 @@ class ModelRunner:
         If fewer than ``max(last, run)`` tokens are pending, the cache is rewound so
         that they are recomputed (e.g. the same sequence asked twice, or a pass
         repeated exactly: ``run`` fixes which tokens go through it together)."""
+        return self.run_passes([Pass(seq, last, run)])[0]
+
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`run_passes` runs several sequences in one forward pass
+        (the lean forward), rather than one after another."""
+        return self.lean
+
+    @torch.inference_mode()
+    def run_passes(self, passes: list[Pass]) -> list[torch.Tensor]:
+        """:meth:`logits` for several sequences (distinct ones), in one forward pass
+        where the model runs through the lean forward, else one pass each."""
+        rows = [self._pending(p) for p in passes]
+        self.tokens_run += sum(len(ids) for ids in rows)
+        if self.lean:
+            batch = [BatchRow(ids, p.seq.cache, p.last) for ids, p in zip(rows, passes, strict=True)]
+            logits = self.forward_model.forward_batch(batch)
+        else:
+            logits = [kv_cache.forward(self.forward_model, torch.tensor([ids], dtype=torch.long, device=self.device),
+                                       p.seq.cache, logits_to_keep=p.last) for ids, p in zip(rows, passes, strict=True)]
+        return [out.float() for out in logits]
+
+    def pass_tokens(self, p: Pass) -> int:
+        """How many tokens :meth:`run_passes` will run for ``p``."""
+        held = len(p.seq.tokens)
+        return held - max(0, min(p.seq.cache_length, held - max(p.last, p.run)))
+
+    def _pending(self, p: Pass) -> list[int]:
+        """The tokens ``p`` runs, its cache rewound to just before them."""
+        seq = p.seq
         if not seq.tokens:
             raise ValueError("cannot run an empty sequence")
         if len(seq.tokens) > self.max_context:
             raise ValueError(
                 f"sequence of {len(seq.tokens)} tokens exceeds the model context of {self.max_context}"
             )
-        start = min(seq.cache_length, len(seq.tokens) - max(last, run))
+        start = min(seq.cache_length, len(seq.tokens) - max(p.last, p.run))
         if start < seq.cache_length:
             kv_cache.crop_cache(seq.cache, start)
-        ids = torch.tensor([seq.tokens[start:]], dtype=torch.long, device=self.device)
-        self.tokens_run += ids.shape[-1]
-        return kv_cache.forward(self.forward_model, ids, seq.cache, logits_to_keep=last).float()
+        p.ran = len(seq.tokens) - start
+        return seq.tokens[start:]
 
     def check_tokens(self, tokens: list[int], what: str = "tokens") -> None:
         check_token_ids(tokens, self.vocab_size, what)

@@ -101,7 +101,16 @@ class ServiceConfig(BaseServiceConfig):
     device: str = Field("cpu", description="torch device, e.g. cpu, cuda:0", json_schema_extra=ROLE_ONLY)
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
     max_sessions: int = Field(256, gt=0, description="sessions held before LRU eviction")
-    max_cached_tokens: int = Field(1_000_000, gt=0, description="tokens held over all sessions before LRU eviction")
+    max_cached_tokens: int = Field(
+        1_000_000, gt=0, description="KV budget: tokens held over all sessions. Idle sessions are evicted, least "
+        "recently used first, to stay within it; a call that would exceed it with every session in use is "
+        "refused RESOURCE_EXHAUSTED")
+    max_batch: int = Field(
+        32, gt=0, description="sessions per forward pass (continuous batching; 1: one session at a time, "
+        "as without batching)", json_schema_extra={"metavar": "N"})
+    max_batch_tokens: int = Field(
+        2048, gt=0, description="new tokens per forward pass (a single longer pre-fill runs alone)",
+        json_schema_extra={"metavar": "N"})
     session_ttl_s: float = Field(
         600.0, gt=0, description="seconds an idle session is kept",
         json_schema_extra={"flag": "--session-ttl", "metavar": "SECONDS"})
@@ -124,15 +133,19 @@ class DraftConfig(ServiceConfig):
         True, description="while the target verifies, draft the next round as if all drafts are accepted "
         "(reused when they are; the output never changes)")
     lean_forward: bool = Field(
-        True, description="run a Llama-architecture draft through specdec's lean forward pass instead of "
-        "Hugging Face's (same weights, less Python per token; the output's distribution never changes, though "
-        "one seed's sampled tokens follow q to the last bit)")
+        True, description="run a Llama-architecture draft through specdec's lean forward pass, which batches "
+        "sessions, instead of Hugging Face's (same weights, less Python per token; the output's distribution "
+        "never changes, though one seed's sampled tokens follow q to the last bit)")
 
 
 class TargetConfig(ServiceConfig):
     role: ClassVar[str] = "target"
 
     port: int = Field(50053, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
+    lean_forward: bool = Field(
+        True, description="run a Llama-architecture target through specdec's lean forward pass, which batches "
+        "sessions (same weights; logits equal Hugging Face's to float rounding, so a greedy near-tie can break "
+        "the other way); off: Hugging Face's forward, one session per pass")
 
 
 class CoordinatorConfig(BaseServiceConfig):

@@ -1,15 +1,16 @@
-"""What the draft and target services share: one model behind a single-worker
-executor, the session store, request validation, timings, ModelInfo/EndSession,
-command-line flags and the process entry point.
+"""What the draft and target services share: one model and the scheduler
+that batches its passes, the session store, request validation, timings,
+ModelInfo/EndSession, command-line flags and the process entry point.
 
 The servicers in ``draft_service/`` and ``target_service/`` only say what their
-RPC does (decode -> :func:`specdec.models.local.draft_tokens` / ``verify_drafts`` ->
+RPC does (decode -> :func:`specdec.models.local.draft_steps` / ``verify_steps`` ->
 encode); everything else is here, written once.
 
-Why a single-worker executor: forward passes are long, blocking calls. Running
-them on the event loop would freeze health checks and every other session; a
-pool of several workers would run two passes on one device at once for no gain.
-One worker per model serialises the device and leaves the loop free.
+Why one model thread (:mod:`specdec.serving.scheduler`): forward passes are
+long, blocking calls. Running them on the event loop would freeze health checks
+and every other session; several threads would run passes on one device at once
+for no gain. One thread per model serialises the device, batches the sessions'
+passes, and leaves the loop free.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,13 +28,15 @@ from typing import Any
 
 import torch
 
-from specdec.core.interfaces import SamplingParams
+from specdec.core.interfaces import DraftToken, SamplingParams
 from specdec.core.sampling import SparseDist
+from specdec.models.local import Steps
 from specdec.models.runner import ModelRunner, Sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.config import CONFIG_CLASSES, ServiceConfig
 from specdec.serving.errors import Draining, InvalidRequest, Unavailable
+from specdec.serving.scheduler import PassScheduler
 from specdec.serving.server import (
     DRAFT_SERVICE,
     TARGET_SERVICE,
@@ -62,8 +64,10 @@ class ModelHost:
 
     def __init__(self, config: ServiceConfig):
         self.config = config
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role}-model")
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.role}-load")
         self.runner: ModelRunner | None = None
+        self.scheduler: PassScheduler | None = None
+        self.background: concurrent.futures.Future | None = None  # the last background work
         self.sessions: SessionStore[Sequence] | None = None
         self.draining = False
         self.metrics: ServiceMetrics | None = None  # what the servicers count beyond the RPCs
@@ -72,21 +76,26 @@ class ModelHost:
         self.new_state: Callable[[ModelRunner], Any] = ModelRunner.new_sequence
         self.state_size: Callable[[Any], int] = lambda seq: len(seq.tokens)
         self._sweeper: asyncio.Future | None = None
-        # Calls' jobs handed to the executor (background work yields to them);
-        # written on the event loop thread, read on the worker.
-        self._calls_submitted = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     async def load(self, runner: ModelRunner | None = None) -> None:
         """Load the model on the executor (the event loop keeps answering health
         checks meanwhile), then open the session store."""
+        cfg = self.config
         if runner is None:
-            cfg = self.config
-            lean = cfg.role == "draft" and cfg.lean_forward
             runner = await asyncio.get_running_loop().run_in_executor(
-                self.executor, functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=lean)
+                self.executor,
+                functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=cfg.lean_forward),
             )
+        if cfg.max_batch > 1 and not runner.batched:
+            log.info("%s service: one session per forward pass (%s runs Hugging Face's forward%s)", cfg.role,
+                     runner.name, "" if cfg.lean_forward else ": --no-lean-forward")
+        metrics = self.metrics
+        self.scheduler = PassScheduler(
+            runner, max_sequences=cfg.max_batch, max_tokens=cfg.max_batch_tokens, name=cfg.role,
+            on_pass=metrics.observe_pass if metrics is not None else None,
+            on_started=metrics.observe_queue_wait if metrics is not None else None)
         self.sessions = SessionStore(
             functools.partial(self.new_state, runner),
             max_sessions=self.config.max_sessions,
@@ -109,6 +118,8 @@ class ModelHost:
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     @property
     def ready(self) -> bool:
@@ -123,60 +134,30 @@ class ModelHost:
 
     # ------------------------------------------------------------------ running model work
 
-    async def run(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the model's executor and add to ``timing`` how long
-        it queued, how long it computed (copies timed by :meth:`to_device` /
-        :meth:`to_host` excluded) and how many tokens went through the model."""
-        submitted = time.perf_counter()
-        self._calls_submitted += 1
+    async def run_steps(self, steps: Steps, timing: ServerTiming,
+                        on_draft: Callable[[DraftToken], None] | None = None) -> Any:
+        """Run a call's ``steps`` in the model's batched passes; what they return.
+        ``timing`` gets its queue, compute and copy time and tokens run."""
+        return await asyncio.wrap_future(self.scheduler.submit(steps, timing, on_draft))
 
-        def job():
-            timing.queue_s += time.perf_counter() - submitted
-            return self._timed(timing, fn, *args)
-
-        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
-
-    def _timed(self, timing: ServerTiming, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the worker thread; adds its compute time (copies
-        excluded) and the tokens it ran through the model to ``timing``."""
-        start = time.perf_counter()
-        copy_before, tokens_before = timing.copy_s, self._tokens_run()
-        try:
-            return fn(*args)
-        finally:
-            self._synchronize()
-            elapsed = time.perf_counter() - start
-            timing.compute_s += max(0.0, elapsed - (timing.copy_s - copy_before))
-            timing.computed_tokens += self._tokens_run() - tokens_before
-
-    def _tokens_run(self) -> int:
-        return self.runner.tokens_run if self.runner is not None else 0
-
-    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args, timing, stop)`` on the model's executor, for work no
-        call waits for (drafting ahead). ``stop()`` turns true once a call's work
-        is queued behind it or the service drains; ``fn`` should then return
-        within a step. Its compute, copies (``fn`` times them into ``timing``) and
-        tokens go into the metrics like a call's: the device's load includes it.
-        Failures are logged: they must not affect any call."""
-        if self.draining:
+    def run_in_background(self, steps: Steps) -> None:
+        """Run ``steps`` in passes no call waits for (drafting ahead); they are
+        closed when a call arrives. Their compute, copies and tokens go into the
+        metrics like a call's: the device's load includes them. Failures are
+        logged: they must not affect any call."""
+        if self.draining or self.scheduler is None:
             return
-        since = self._calls_submitted
+        timing = ServerTiming()
 
-        def stop() -> bool:
-            return self._calls_submitted != since or self.draining
-
-        def job():
-            timing = ServerTiming()
-            try:
-                self._timed(timing, fn, *args, timing, stop)
-            except Exception:
-                log.exception("background work on the %s model failed", self.config.role)
+        def finished(future: concurrent.futures.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                e = future.exception()
+                log.error("background work on the %s model failed: %s: %s", self.config.role, type(e).__name__, e)
             if self.metrics is not None:
                 self.metrics.observe_timing(timing)
 
-        with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
-            self.executor.submit(job)
+        self.background = self.scheduler.submit_background(steps, timing)
+        self.background.add_done_callback(finished)
 
     def _synchronize(self) -> None:
         device = self.runner.device if self.runner is not None else None
@@ -266,6 +247,8 @@ class ModelHost:
             active_sessions=stats.active_sessions,
             cached_tokens=stats.cached_tokens,
             gamma_max=self.config.gamma_max,
+            kv_bytes_per_token=runner.kv_bytes_per_token,
+            kv_budget_tokens=self.config.max_cached_tokens,
         )
 
     def end_session(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:
@@ -366,8 +349,11 @@ async def start_model_service(
             freeze_startup_objects(f"{config.role} service")
         await server.set_serving(True)
         r = host.runner
-        log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d",
-                 config.role, r.path, r.vocab_size, r.max_context, config.dtype, r.device, config.host, port)
+        log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d", config.role, r.path, r.vocab_size,
+                 r.max_context, config.dtype, r.device, config.host, port)
+        log.info("%s KV budget: %d tokens x %d bytes per token = %.0f MiB (--max-cached-tokens); up to %d "
+                 "sessions per forward pass", config.role, config.max_cached_tokens, r.kv_bytes_per_token,
+                 config.max_cached_tokens * r.kv_bytes_per_token / (1 << 20), host.scheduler.max_sequences)
 
     task = asyncio.ensure_future(load())
     if wait_loaded:

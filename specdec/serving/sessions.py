@@ -6,7 +6,10 @@ retried call (same ``round_id``) is answered from the record instead of being
 applied twice.
 
 Memory is bounded three ways: a cap on sessions and a cap on tokens held over
-all sessions (least recently used sessions are evicted first), and an idle TTL.
+all sessions, the KV budget (least recently used sessions are evicted first),
+and an idle TTL. Sessions in the middle of a call are never evicted: a call
+that would take the budget past its cap with only such sessions left is
+refused (RESOURCE_EXHAUSTED), never let grow the device's memory.
 Eviction is always safe: an evicted session answers NOT_FOUND and the
 coordinator re-pre-fills it from the token history it keeps (position 0 starts
 a session afresh), so eviction costs time, never output.
@@ -51,6 +54,7 @@ class Session(Generic[S]):
     round_key: Hashable = None
     round_result: Any = None
     tokens: int = 0  # held tokens as last accounted (see SessionStore._account)
+    reserved: int = 0  # tokens the call in flight may add (counted against the budget meanwhile)
 
     def replay(self, round_id: int, key: Hashable) -> Any | None:
         """The recorded result if ``round_id`` is the last completed round, else None.
@@ -76,6 +80,8 @@ class StoreStats:
     evictions: int  # evicted by the session or token cap
     expirations: int  # dropped after the idle TTL
     created: int
+    budget_tokens: int = 0  # max_cached_tokens: the KV budget
+    refusals: int = 0  # calls refused because the sessions in use hold the budget
 
 
 class SessionStore(Generic[S]):
@@ -103,9 +109,11 @@ class SessionStore(Generic[S]):
         self.ttl_s = ttl_s
         self._sessions: collections.OrderedDict[str, Session[S]] = collections.OrderedDict()  # LRU first
         self._tokens = 0
+        self._reserved = 0  # what calls in flight may add
         self.evictions = 0
         self.expirations = 0
         self.created = 0
+        self.refusals = 0
         self.accept_new = True  # False while the service drains: only the sessions it holds go on
 
     # ------------------------------------------------------------------ queries
@@ -121,7 +129,8 @@ class SessionStore(Generic[S]):
         return self._tokens
 
     def stats(self) -> StoreStats:
-        return StoreStats(len(self._sessions), self._tokens, self.evictions, self.expirations, self.created)
+        return StoreStats(len(self._sessions), self._tokens, self.evictions, self.expirations, self.created,
+                          self.max_cached_tokens, self.refusals)
 
     def quiet_for(self) -> float:
         """Seconds since a call last used one of the held sessions: 0 while a call
@@ -176,10 +185,17 @@ class SessionStore(Generic[S]):
             session.last_used = self._clock()
             self._sessions.move_to_end(session_id)
             # make room now for what this call will add, evicting idle others
-            self._enforce_caps(keep=session, extra=max(0, position + reserve - held))
+            extra = max(0, position + reserve - held)
+            self._enforce_caps(keep=session, extra=extra)
+            if self._tokens + self._reserved + extra > self.max_cached_tokens:
+                self._refuse(session, extra)
+            session.reserved = extra
+            self._reserved += extra
             try:
                 yield session
             finally:
+                self._reserved -= session.reserved
+                session.reserved = 0
                 session.last_used = self._clock()
                 self._account(session)
                 self._enforce_caps(keep=session)
@@ -216,6 +232,17 @@ class SessionStore(Generic[S]):
 
     # ------------------------------------------------------------------ internals
 
+    def _refuse(self, session: Session[S], extra: int) -> None:
+        """What is left of the budget is held by sessions in calls: refuse this one."""
+        self.refusals += 1
+        in_use = self._tokens + self._reserved
+        if session.tokens == 0 and self._size(session.state) == 0:  # created for this call: not kept
+            self.end(session.id)
+        raise ResourceExhausted(
+            f"session {session.id!r} needs {extra} more tokens of KV cache, but sessions in use hold {in_use} "
+            f"of this service's budget of {self.max_cached_tokens} tokens (--max-cached-tokens); "
+            "try again when other generations finish")
+
     def _create(self, session_id: str) -> Session[S]:
         session = Session(id=session_id, state=self._new_state(), last_used=self._clock())
         self._sessions[session_id] = session
@@ -235,7 +262,7 @@ class SessionStore(Generic[S]):
         call in flight) until both caps hold."""
         for sid in list(self._sessions):
             over_sessions = len(self._sessions) > self.max_sessions
-            over_tokens = self._tokens + extra > self.max_cached_tokens
+            over_tokens = self._tokens + self._reserved + extra > self.max_cached_tokens
             if not (over_sessions or over_tokens):
                 return
             s = self._sessions[sid]

@@ -16,3 +16,10 @@ class ServerTiming:
     compute_s: float = 0.0  # forward passes, sampling, verification (copies excluded)
     copy_s: float = 0.0  # host <-> device copies of inputs and outputs
     computed_tokens: int = 0  # tokens run through the model in this call
+    passes: int = 0  # forward passes this call was in
+    pass_sequences: int = 0  # sessions in those passes, summed
+
+    @property
+    def batch_sequences(self) -> float:
+        """Sessions per forward pass this call was in, on average (0: none)."""
+        return self.pass_sequences / self.passes if self.passes else 0.0

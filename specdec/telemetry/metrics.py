@@ -152,6 +152,18 @@ class ServiceMetrics(RpcMetrics):
             "specdec_draft_ahead_tokens", "Drafts made ahead while the target verified, after the guess at its "
             "token (outcome=made), and those a later Propose streamed without running the model (outcome=reused).",
             ["service", "outcome"], registry=r)
+        self.pass_sequences = Histogram(
+            "specdec_batch_sequences", "Sessions in each forward pass.", ["service"], registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.pass_tokens = Histogram(
+            "specdec_batch_tokens", "New tokens in each forward pass.", ["service"], registry=r,
+            buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.pass_seconds = Histogram(
+            "specdec_batch_pass_seconds", "Time of each forward pass (with the steps around it).",
+            ["service"], registry=r, buckets=LATENCY_BUCKETS)
+        self.queue_wait = Histogram(
+            "specdec_queue_wait_seconds", "Time a call waited for its first forward pass.", ["service"],
+            registry=r, buckets=LATENCY_BUCKETS)
         self.sessions_watched = False
         if sessions is not None:
             self.watch_sessions(sessions)
@@ -169,6 +181,15 @@ class ServiceMetrics(RpcMetrics):
         self.server_seconds.labels(s, "compute").inc(timing.compute_s)
         self.server_seconds.labels(s, "copy").inc(timing.copy_s)
         self.computed_tokens.labels(s).inc(timing.computed_tokens)
+
+    def observe_pass(self, stats) -> None:
+        """A forward pass (:class:`specdec.serving.scheduler.PassStats`)."""
+        self.pass_sequences.labels(self.service).observe(stats.sequences)
+        self.pass_tokens.labels(self.service).observe(stats.tokens)
+        self.pass_seconds.labels(self.service).observe(stats.seconds)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.labels(self.service).observe(seconds)
 
     def observe_proposed(self, tokens: int) -> None:
         self.proposed_tokens.labels(self.service).inc(tokens)
@@ -207,6 +228,10 @@ class _SessionCollector:
             (GaugeMetricFamily, "specdec_active_sessions", "Sessions held.", "active_sessions"),
             (GaugeMetricFamily, "specdec_cached_kv_tokens", "Tokens held in KV caches over all sessions.",
              "cached_tokens"),
+            (GaugeMetricFamily, "specdec_kv_budget_tokens", "The KV budget: tokens all sessions may hold.",
+             "budget_tokens"),
+            (CounterMetricFamily, "specdec_kv_budget_refusals",
+             "Calls refused RESOURCE_EXHAUSTED because the sessions in use hold the KV budget.", "refusals"),
             (CounterMetricFamily, "specdec_session_evictions", "Sessions evicted by the session or token cap.",
              "evictions"),
             (CounterMetricFamily, "specdec_session_expirations", "Sessions dropped after the idle TTL.",

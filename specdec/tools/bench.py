@@ -214,6 +214,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-target", default="cpu", help="torch device of the target model, in process and as a "
                    "service (default cpu), e.g. cuda:0")
     p.add_argument("--device-draft", default=None, help="torch device of the draft model (default: the target's)")
+    p.add_argument("--matrices", default="single,concurrency",
+                   help="single (one session at a time, the rows above) and/or concurrency (many sessions at once)")
+    p.add_argument("--sessions", default=None, help="concurrent sessions of the concurrency matrix "
+                   "(default 1,4,16,32; quick 1,16)")
 
 
 def plan(args) -> tuple[list[Config], list[float]]:
@@ -235,91 +239,122 @@ def plan(args) -> tuple[list[Config], list[float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
-    from specdec.core.interfaces import SamplingParams
     from specdec.models import bundled
-    from specdec.models.decoder import SpeculativeDecoder
-    from specdec.serving.client import Client
+    from specdec.models.tokenizer import load_tokenizer
+    from specdec.tools import bench_concurrency
     from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     hf_logging.set_verbosity_error()
+    matrices = {m.strip() for m in args.matrices.split(",")}
+    if not matrices or matrices - {"single", "concurrency"}:
+        raise ValueError(f"--matrices {args.matrices!r}: give single and/or concurrency")
+    sessions = [int(n) for n in (args.sessions or ("1,16" if args.quick else "1,4,16,32")).split(",")]
+    if any(n <= 0 for n in sessions):
+        raise ValueError(f"--sessions {args.sessions}: every count must be > 0")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     target_dir = pathlib.Path(args.target or bundled.target_path())
     draft_dir = pathlib.Path(args.draft or bundled.draft_path())
     n_prompts = args.prompts or (4 if args.quick else 8)
     new_tokens = args.new_tokens or (64 if args.quick else 96)
-    configs, rtts = plan(args)
     devices = {"target": args.device_target, "draft": args.device_draft or args.device_target}
+    record = {"command": " ".join(["specdec", "bench", *sys.argv[2:]]), "prompts": n_prompts,
+              "new_tokens": new_tokens, "target": str(target_dir), "draft": str(draft_dir), "devices": devices}
 
     torch.set_num_threads(1)
     all_cores = os.sched_getaffinity(0)
-    dec = SpeculativeDecoder(target_dir, draft_dir, device=devices["target"], draft_device=devices["draft"])
-    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(devices["target"])
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval().to(devices["draft"])
-    prompts = make_prompts(held_out_streams(dec.tokenizer), n_prompts, 128, new_tokens, seed=0)
-
+    streams = held_out_streams(load_tokenizer(target_dir))
     procs = Processes(out_dir)
     try:
-        coordinators = start_cluster(procs, target_dir, draft_dir, rtts, devices)
-        clients = {key: Client(addr, timeout=300) for key, addr in coordinators.items()}
-        for c in clients.values():
-            c.wait_ready(120)
-        modes = [m.strip() for m in args.modes.split(",")]
-
-        def run_config(c: Config, prompt, tokens: int, sampling, policy, totals: Totals) -> None:
-            # As the client of distributed rows this process sits with the
-            # coordinator, off the draft's core.
-            pin(COORDINATOR_CORE if c.kind == "distributed" else IN_PROCESS_CORE)
-            if c.kind in ("target-only", "in-process"):
-                run_ours(dec, prompt, tokens, sampling, policy, totals)
-            elif c.kind == "hf-assisted":
-                run_hf_assisted(hf_target, hf_draft, prompt, tokens, sampling, c.policy, totals)
-            else:
-                run_distributed(clients[c.rtt_ms, c.draft_ahead], prompt, tokens, sampling, c.policy, totals)
-
-        def fresh_policy(c: Config):
-            return parse_gamma_policy(c.policy, 16) if c.kind in ("in-process", "target-only") else None
-
-        # One short untimed request per configuration first, with a policy of its
-        # own: a path's first calls in a process (on a GPU, its lazy kernel loading
-        # too) are then not charged to whichever row the shuffle puts first.
-        warm_up = SamplingParams() if modes[0] == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=0)
-        for c in configs:
-            run_config(c, prompts[0], 8, warm_up, fresh_policy(c), Totals())
-        results = {}
-        for mode in modes:
-            totals = {c: Totals() for c in configs}
-            policies = {c: fresh_policy(c) for c in configs}
-            rng = random.Random(mode)
-            for i, prompt in enumerate(prompts):
-                sampling = SamplingParams() if mode == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=i)
-                order = configs[:]
-                rng.shuffle(order)
-                for c in order:
-                    policy = policies[c]
-                    if isinstance(policy, AdaptiveGamma):
-                        policy = policies[c] = policy.for_new_request()
-                    run_config(c, prompt, new_tokens, sampling, policy, totals[c])
-                print(f"[{mode}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
-            results[mode] = summarise(configs, totals)
+        if "single" in matrices:
+            prompts = make_prompts(streams, n_prompts, 128, new_tokens, seed=0)
+            record["results"], record["rtts"] = run_single(args, procs, target_dir, draft_dir, devices, prompts)
+            procs.stop()
+            procs = Processes(out_dir)
+        if "concurrency" in matrices:
+            prompts = make_prompts(streams, max(16, max(sessions)), 128, new_tokens, seed=1)
+            record["concurrency"] = bench_concurrency.run_concurrency(procs, target_dir, draft_dir, devices,
+                                                                      prompts, sessions, new_tokens)
     finally:
         procs.stop()
         os.sched_setaffinity(0, all_cores)
 
-    record = {"command": " ".join(["specdec", "bench", *sys.argv[2:]]), "prompts": n_prompts,
-              "new_tokens": new_tokens, "target": str(target_dir), "draft": str(draft_dir), "devices": devices,
-              "results": results}
     (out_dir / "results.json").write_text(json.dumps(record, indent=2))
     markdown = format_markdown(record)
     (out_dir / "results.md").write_text(markdown)
-    plot(results, rtts, out_dir / "speedup.png")
+    if "results" in record:
+        plot(record["results"], record["rtts"], out_dir / "speedup.png")
+    if "concurrency" in record:
+        c = record["concurrency"]
+        rows = [bench_concurrency.ConcurrencyRow(**r) for r in c["rows"]]
+        bench_concurrency.plot(rows, c["ceilings"], out_dir / "concurrency.png")
     print(markdown)
-    print(f"wrote {out_dir}/results.json, results.md, speedup.png")
+    print(f"wrote {out_dir}/results.json, results.md and the plots")
     return 0
+
+
+def run_single(args, procs: Processes, target_dir: pathlib.Path, draft_dir: pathlib.Path, devices: dict[str, str],
+               prompts: list[list[int]]) -> tuple[dict, list[float]]:
+    """The single-session matrix: every configuration serves every prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
+    from specdec.core.interfaces import SamplingParams
+    from specdec.models.decoder import SpeculativeDecoder
+    from specdec.serving.client import Client
+
+    configs, rtts = plan(args)
+    dec = SpeculativeDecoder(target_dir, draft_dir, device=devices["target"], draft_device=devices["draft"])
+    hf_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(devices["target"])
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval().to(devices["draft"])
+    new_tokens = args.new_tokens or (64 if args.quick else 96)
+    coordinators = start_cluster(procs, target_dir, draft_dir, rtts, devices)
+    clients = {key: Client(addr, timeout=300) for key, addr in coordinators.items()}
+    for c in clients.values():
+        c.wait_ready(120)
+    modes = [m.strip() for m in args.modes.split(",")]
+
+    def run_config(c: Config, prompt, tokens: int, sampling, policy, totals: Totals) -> None:
+        # As the client of distributed rows this process sits with the
+        # coordinator, off the draft's core.
+        pin(COORDINATOR_CORE if c.kind == "distributed" else IN_PROCESS_CORE)
+        if c.kind in ("target-only", "in-process"):
+            run_ours(dec, prompt, tokens, sampling, policy, totals)
+        elif c.kind == "hf-assisted":
+            run_hf_assisted(hf_target, hf_draft, prompt, tokens, sampling, c.policy, totals)
+        else:
+            run_distributed(clients[c.rtt_ms, c.draft_ahead], prompt, tokens, sampling, c.policy, totals)
+
+    def fresh_policy(c: Config):
+        return parse_gamma_policy(c.policy, 16) if c.kind in ("in-process", "target-only") else None
+
+    # One short untimed request per configuration first, with a policy of its
+    # own: a path's first calls in a process (on a GPU, its lazy kernel loading
+    # too) are then not charged to whichever row the shuffle puts first.
+    warm_up = SamplingParams() if modes[0] == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=0)
+    for c in configs:
+        run_config(c, prompts[0], 8, warm_up, fresh_policy(c), Totals())
+    results = {}
+    for mode in modes:
+        totals = {c: Totals() for c in configs}
+        policies = {c: fresh_policy(c) for c in configs}
+        rng = random.Random(mode)
+        for i, prompt in enumerate(prompts):
+            sampling = SamplingParams() if mode == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=i)
+            order = configs[:]
+            rng.shuffle(order)
+            for c in order:
+                policy = policies[c]
+                if isinstance(policy, AdaptiveGamma):
+                    policy = policies[c] = policy.for_new_request()
+                run_config(c, prompt, new_tokens, sampling, policy, totals[c])
+            print(f"[{mode}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+        results[mode] = summarise(configs, totals)
+    for client in clients.values():
+        client.close()
+    return results, rtts
 
 
 def summarise(configs: list[Config], totals: dict[Config, Totals]) -> list[dict]:
@@ -349,10 +384,18 @@ def _fmt(x, spec):
 
 
 def format_markdown(record: dict) -> str:
+    from specdec.tools import bench_concurrency
+
     devices = record.get("devices", {"target": "cpu", "draft": "cpu"})
     lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × "
              f"{record['new_tokens']} tokens; target on {devices['target']}, draft on {devices['draft']}.", ""]
-    for mode, rows in record["results"].items():
+    if "concurrency" in record:
+        c = record["concurrency"]
+        rows = [bench_concurrency.ConcurrencyRow(**r) for r in c["rows"]]
+        ceilings = {int(n): v for n, v in c["ceilings"].items()}
+        lines += ["### concurrency (greedy, aggregate tokens/s)", "", bench_concurrency.format_markdown(rows, ceilings),
+                  ""]
+    for mode, rows in record.get("results", {}).items():
         lines += [f"### {mode}", "",
                   "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round "
                   "| draft | target | network | cores |",

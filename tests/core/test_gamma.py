@@ -413,3 +413,20 @@ def test_the_estimates_are_described_in_one_line_for_the_log():
     policy.observe(RoundResult([0], 0, 0, 0.0, 0.006, None))
     text = policy.describe()
     assert text.startswith("draft ") and "ms/token, verify " in text and text.endswith("idle 1 rounds")
+
+
+@pytest.mark.parametrize("sessions, drafts", [(1, True), (32, False)])
+def test_under_load_a_draft_must_pay_for_every_session_sharing_the_pass(sessions, drafts):
+    """The same rounds, seen by one session alone on the target and by one of 32
+    in a saturated pass: each draft then delays all 32, and stops paying."""
+    rng = random.Random(3)
+    policy = AdaptiveGamma(gamma_max=8)
+    for _ in range(200):
+        g = policy.choose() or 1  # keep seeing what drafting costs
+        n = 0
+        while n < g and rng.random() < 0.8:
+            n += 1
+        policy.observe(RoundResult([0] * (n + 1), g, n, 0.0008 * g, 0.030 + 0.001 * g, None, 0.0008,
+                                   verify_batch=sessions))
+    assert (policy.best() > 0) is drafts
+    assert ("32.0 sessions per verifying pass" in policy.describe()) is (sessions == 32)

@@ -22,10 +22,12 @@ PROMETHEUS_LOCAL = DEPLOY / "prometheus" / "prometheus-local.yml"
 
 def exported() -> dict[str, set[str]]:
     """Every sample name the services export after some work -> its labels."""
+    from specdec.serving.scheduler import PassStats
     from specdec.serving.timing import ServerTiming
     from specdec.telemetry.metrics import ROUND_PHASES
 
-    stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1)
+    stats = StoreStats(active_sessions=1, cached_tokens=1, evictions=0, expirations=0, created=1,
+                       budget_tokens=10, refusals=0)
     coordinator, service = CoordinatorMetrics(), ServiceMetrics("target", sessions=lambda: stats)
     coordinator.observe_round(gamma=2, accepted=1, wall_s=0.01, phases=dict.fromkeys(ROUND_PHASES, 0.001))
     coordinator.observe_call("draft", 0.001, 10, 10)
@@ -36,6 +38,8 @@ def exported() -> dict[str, set[str]]:
     service.observe_proposed(2)
     service.observe_verified(2, 1)
     service.observe_draft_ahead(made=2, reused=1)
+    service.observe_pass(PassStats(sequences=4, tokens=8, seconds=0.01))
+    service.observe_queue_wait(0.001)
     names: dict[str, set[str]] = {}
     for registry in (coordinator.registry, service.registry):
         assert isinstance(registry, CollectorRegistry)

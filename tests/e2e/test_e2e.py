@@ -526,3 +526,25 @@ def test_generate_cli_streams_from_the_coordinator(cluster, reference, capsys):
     assert out.out.rstrip("\n") == record["text"] and "24 tokens" in out.err and "finish length" in out.err
     assert main(["generate", "--coordinator", address, "--max-new-tokens", "901", PROMPT]) == 1
     assert "INVALID_ARGUMENT: max_new_tokens must be in [1, 900], got 901" in capsys.readouterr().err
+
+
+def test_loadtest_reports_throughput_latency_and_errors(cluster, tmp_path, capsys):
+    import json
+
+    from specdec.cli import main
+
+    address, report_path = cluster["C"].address, tmp_path / "load.json"
+    assert main(["loadtest", "--coordinator", address, "--sessions", "3", "--requests", "6", "--max-new-tokens",
+                 "12", "--prompt", "def f(x):", "--prompt", "class A:", "--json", str(report_path),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 concurrent, 6 requests" in printed and "errors         none" in printed
+    report = json.loads(report_path.read_text())
+    assert report["requests"] == 6 and report["tokens"] == 6 * 12 and report["errors"] == {}
+    assert report["tokens_per_second"] > 0 and 0 < report["ttft_p50_s"] <= report["ttft_p99_s"]
+    assert 0 < report["itl_p50_s"] <= report["itl_p99_s"]
+    # refused requests are counted by status code, and make the exit status 1
+    assert main(["loadtest", "--coordinator", address, "--sessions", "2", "--requests", "2", "--max-new-tokens",
+                 "901", "--prompt", "x", "--no-progress"]) == 1
+    assert "INVALID_ARGUMENT 2" in capsys.readouterr().out
+    assert main(["loadtest", "--coordinator", address, "--sessions", "0"]) == 2

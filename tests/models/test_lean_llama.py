@@ -117,18 +117,24 @@ def test_a_runner_asked_for_lean_keeps_hugging_face_when_it_cannot(tmp_path, cap
     assert runner.logits(seq).shape == (1, 64)
 
 
-@pytest.mark.parametrize("role, lean", [("draft", True), ("target", False)])
-def test_only_the_draft_service_runs_lean(role, lean):
-    """The target's forward is Hugging Face's: the output is that model's."""
+@pytest.mark.parametrize("role", ["draft", "target"])
+@pytest.mark.parametrize("lean", [True, False])
+def test_both_services_run_lean_unless_told_not_to(role, lean, caplog):
+    """The lean forward batches sessions; --no-lean-forward is Hugging Face's
+    forward, one session per pass, said in the log."""
     import asyncio
 
+    config = (DraftConfig if role == "draft" else TargetConfig)(port=0, lean_forward=lean)
+
     async def load():
-        host = ModelHost(DraftConfig(port=0, lean_forward=True) if role == "draft" else TargetConfig(port=0))
+        host = ModelHost(config)
         await host.load()
         host.close()
-        return host.runner.lean
+        return host.runner.lean, host.scheduler.max_sequences
 
-    assert asyncio.run(load()) is lean
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(load()) == (lean, config.max_batch if lean else 1)
+    assert ("one session per forward pass" in caplog.text) is not lean
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -50,6 +50,9 @@ class MemoRunner:
     def uncache(self, seq, keep):
         pass  # no cache: logits come from the memo
 
+    def run_passes(self, passes):
+        return [self.logits(p.seq, p.last, p.run) for p in passes]
+
     def logits(self, seq, last=1, run=0):
         rows = []
         for end in range(len(seq.tokens) - last + 1, len(seq.tokens) + 1):

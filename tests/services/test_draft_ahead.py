@@ -5,11 +5,7 @@ and visible only in the work done."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
-import time
-import types
 
 import grpc
 import pytest
@@ -22,8 +18,7 @@ from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
 from specdec.serving.config import DraftConfig
-from specdec.serving.model_host import ModelHost, start_model_service
-from specdec.serving.timing import ServerTiming
+from specdec.serving.model_host import start_model_service
 from specdec.telemetry.metrics import ServiceMetrics
 from specdec.telemetry.setup import ServiceTelemetry
 
@@ -44,19 +39,19 @@ class CountForwards:
     """Counts the draft model's forward passes while installed."""
 
     def __init__(self, runner: ModelRunner):
-        self.runner, self.real, self.calls = runner, runner.logits, 0
+        self.runner, self.real, self.calls = runner, runner.run_passes, 0
 
-        def logits(*a, **k):
-            self.calls += 1
-            return self.real(*a, **k)
+        def run_passes(passes):
+            self.calls += len(passes)
+            return self.real(passes)
 
-        runner.logits = logits
+        runner.run_passes = run_passes
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.runner.logits = self.real
+        self.runner.run_passes = self.real
 
 
 def replay(runner, requests):
@@ -208,58 +203,6 @@ def test_drafting_ahead_stops_at_the_context(draft):
     assert len(seq.tokens) == draft.max_context
 
 
-def test_background_work_yields_to_the_next_call():
-    """A call's work queued behind background work stops it at its next step."""
-
-    async def main():
-        host = ModelHost(DraftConfig(port=0))
-        started, order = threading.Event(), []
-
-        def background(timing, stop):
-            started.set()
-            deadline = time.monotonic() + 5
-            while not stop() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            order.append("stopped" if stop() else "ran out")
-
-        host.run_in_background(background)
-        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
-        await host.run(ServerTiming(), lambda: order.append("call"))
-        await asyncio.sleep(0.05)
-        host.close()
-        host.run_in_background(background)  # after close: nothing queued, no error
-        return order
-
-    assert asyncio.run(main()) == ["stopped", "call"]
-
-
-def test_background_work_counts_in_the_service_metrics():
-    """Drafting ahead is the draft device's work too: its compute and tokens
-    reach the metrics as a call's do (no call reports them)."""
-    from specdec.telemetry.metrics import ServiceMetrics
-
-    async def main():
-        host = ModelHost(DraftConfig(port=0))
-        host.metrics = ServiceMetrics("draft")
-        host.runner = types.SimpleNamespace(tokens_run=0, device=torch.device("cpu"))
-        done = threading.Event()
-
-        def background(timing, stop):
-            host.runner.tokens_run += 7  # what ModelRunner.logits counts
-            time.sleep(0.02)
-            done.set()
-
-        host.run_in_background(background)
-        assert await asyncio.get_running_loop().run_in_executor(None, done.wait, 5)
-        await host.run(ServerTiming(), lambda: None)  # after the background job
-        host.close()
-        return host.metrics.registry
-
-    registry = asyncio.run(main())
-    assert registry.get_sample_value("specdec_server_computed_tokens_total", {"service": "draft"}) == 7
-    assert registry.get_sample_value("specdec_server_seconds_total", {"service": "draft", "part": "compute"}) >= 0.02
-
-
 # ---------------------------------------------------------------- in the draft service
 
 
@@ -271,8 +214,9 @@ def loop():
 
 
 def settle(service):
-    """Wait until the model's executor has finished the background drafting."""
-    service.host.executor.submit(lambda: None).result(20)
+    """Wait until the background drafting has finished."""
+    if service.host.background is not None:
+        service.host.background.result(20)
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["draft-ahead", "no-draft-ahead"])

@@ -290,16 +290,16 @@ class _slow_model:
 
     def __init__(self, host, delay: float):
         runner = host.runner
-        self.runner, self.real = runner, runner.logits
+        self.runner, self.real = runner, runner.run_passes
 
-        def logits(*a, **k):
+        def run_passes(*a, **k):
             time.sleep(delay)
             return self.real(*a, **k)
 
-        runner.logits = logits
+        runner.run_passes = run_passes
 
     def undo(self):
-        self.runner.logits = self.real
+        self.runner.run_passes = self.real
 
 
 def test_tokens_stream_as_drafted_and_other_calls_keep_answering(stubs, services):
@@ -324,19 +324,19 @@ def test_unexpected_errors_are_internal_with_the_message(stubs, services):
     _, target_stub = stubs
     _, target = services
     runner = target.host.runner
-    real = runner.logits
+    real = runner.run_passes
 
     def broken(*a, **k):
         raise RuntimeError("the device fell over")
 
-    runner.logits = broken
+    runner.run_passes = broken
     try:
         with pytest.raises(grpc.RpcError) as e:
             verify(target_stub, new_session(), 0, PROMPT, [])
         assert e.value.code() == grpc.StatusCode.INTERNAL
         assert "RuntimeError: the device fell over" in e.value.details()
     finally:
-        runner.logits = real
+        runner.run_passes = real
     verify(target_stub, new_session(), 0, PROMPT, [])
 
 
