@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import random
 import threading
 
 import grpc
 import pytest
+import torch
 
 from coordinator.engine import Coordinator
 from specdec import SpeculativeDecoder
@@ -148,3 +150,51 @@ def test_the_kv_budget_refuses_with_resource_exhausted(pair):
     finally:
         loop.call(target.stop())
         loop.close()
+
+
+@pytest.mark.parametrize("draft_top_k", [0, 4], ids=["dense-q", "sparse-q"])
+def test_sampled_tokens_verified_in_batches_follow_the_target_distribution(tmp_path, draft_top_k):
+    """4,000 sessions' first token, each drafted alone and verified in batched
+    target passes (up to 64 sessions per pass): chi-square against the target's
+    exact next-token distribution."""
+    from scipy import stats
+
+    from specdec.core.sampling import process_logits
+    from specdec.models.local import draft_steps, new_draft_sequence, run_alone, verify_steps
+    from specdec.models.runner import ModelRunner
+    from specdec.serving.scheduler import PassScheduler
+    from specdec.serving.timing import ServerTiming
+
+    vocab, prompt, samples = 16, [3, 1, 4], 4000
+    target_dir = make_tiny_llama(tmp_path / "t", vocab_size=vocab, layers=1, seed=3, logit_scale=3)
+    target = ModelRunner(target_dir, lean=True)
+    draft = ModelRunner(make_noisy_copy(target_dir, tmp_path / "d", noise=0.6, seed=4), lean=True)
+    params = SamplingParams(temperature=1.0)
+    seq = target.new_sequence()
+    seq.tokens.extend(prompt)
+    p = process_logits(target.logits(seq)[0], params)
+    scheduler = PassScheduler(target, max_sequences=64, max_tokens=4096)
+    passes = []
+    scheduler.on_pass = lambda s: passes.append(s.sequences)
+    futures, firsts = [], []
+    try:
+        for seed in range(samples):
+            sampling = dataclasses.replace(params, seed=seed)
+            dseq = new_draft_sequence(draft)
+            drafts = list(run_alone(draft, draft_steps(draft, dseq, 0, prompt, 2, sampling, draft_top_k)))
+            tseq = target.new_sequence()
+            futures.append(scheduler.submit(verify_steps(target, tseq, 0, prompt, drafts, sampling), ServerTiming()))
+            firsts.append(drafts[0].token)
+        counts = torch.zeros(vocab)
+        for future, first in zip(futures, firsts, strict=True):
+            verdict = future.result(60)
+            counts[first if verdict.accepted else verdict.next_token] += 1
+    finally:
+        scheduler.close()
+    assert max(passes) > 1  # verified in batches
+    assert counts[p == 0].sum() == 0
+    expected = p * samples
+    big = expected >= 5
+    scaled = expected[big] * counts[big].sum() / expected[big].sum()
+    pvalue = stats.chisquare(counts[big].numpy(), scaled.numpy()).pvalue
+    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"
