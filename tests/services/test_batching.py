@@ -176,12 +176,15 @@ def test_sampled_tokens_verified_in_batches_follow_the_target_distribution(tmp_p
     scheduler = PassScheduler(target, max_sequences=64, max_tokens=4096)
     passes = []
     scheduler.on_pass = lambda s: passes.append(s.sequences)
+    rounds = []  # (sampling, drafts), all drafted first so that the verifications queue up together
+    for seed in range(samples):
+        sampling = dataclasses.replace(params, seed=seed)
+        dseq = new_draft_sequence(draft)
+        rounds.append((sampling, list(run_alone(draft, draft_steps(draft, dseq, 0, prompt, 2, sampling,
+                                                                   draft_top_k)))))
     futures, firsts = [], []
     try:
-        for seed in range(samples):
-            sampling = dataclasses.replace(params, seed=seed)
-            dseq = new_draft_sequence(draft)
-            drafts = list(run_alone(draft, draft_steps(draft, dseq, 0, prompt, 2, sampling, draft_top_k)))
+        for sampling, drafts in rounds:
             tseq = target.new_sequence()
             futures.append(scheduler.submit(verify_steps(target, tseq, 0, prompt, drafts, sampling), ServerTiming()))
             firsts.append(drafts[0].token)
