@@ -153,8 +153,8 @@ class PassScheduler:
                 break
             batch.append(work)
             tokens += n
-        for work in batch:
-            self._queue.remove(work)
+        chosen = {id(work) for work in batch}  # one pass over the queue, not a removal per row
+        self._queue = collections.deque(w for w in self._queue if id(w) not in chosen)
         return batch
 
     def _run_pass(self, batch: list[Work]) -> None:
