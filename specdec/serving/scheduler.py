@@ -160,7 +160,7 @@ class PassScheduler:
     def _run_pass(self, batch: list[Work]) -> None:
         passes = [w.waiting for w in batch]
         for work in batch:
-            if work.timing.compute_s == 0.0 and self.on_started is not None and not work.background:
+            if work.timing.passes == 0 and self.on_started is not None and not work.background:
                 self.on_started(time.perf_counter() - work.submitted)
         start = time.perf_counter()
         try:
@@ -185,25 +185,34 @@ class PassScheduler:
             self._advance(work, out)
 
     def _advance(self, work: Work, reply: torch.Tensor | None) -> None:
-        """Run ``work``'s steps up to their next pass (queued) or their end."""
+        """Run ``work``'s steps up to their next pass (queued) or their end.
+
+        The steps' own time is added to compute before the call is finished:
+        the caller reads its timing as soon as the future is done."""
         start, copies = time.perf_counter(), work.timing.copy_s
+        outcome: tuple[str, Any] = ("queued", None)
         try:
             while True:
                 item = work.steps.send(reply)
                 if isinstance(item, Pass):
                     work.waiting = item
-                    self._queue.append(work)
-                    return
+                    break
                 reply = None
                 if work.on_draft is not None:
                     work.on_draft(item)
         except StopIteration as done:
-            self._finish(work, done.value)
+            outcome = ("done", done.value)
         except Exception as e:
-            self._fail(work, e)
-        finally:
-            self._synchronize()
-            work.timing.compute_s += max(0.0, time.perf_counter() - start - (work.timing.copy_s - copies))
+            outcome = ("failed", e)
+        self._synchronize()
+        work.timing.compute_s += max(0.0, time.perf_counter() - start - (work.timing.copy_s - copies))
+        kind, value = outcome
+        if kind == "queued":
+            self._queue.append(work)
+        elif kind == "done":
+            self._finish(work, value)
+        else:
+            self._fail(work, value)
 
     def _close_background(self) -> None:
         for work in [w for w in self._queue if w.background]:

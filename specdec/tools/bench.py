@@ -287,9 +287,7 @@ def run(args: argparse.Namespace) -> int:
     if "results" in record:
         plot(record["results"], record["rtts"], out_dir / "speedup.png")
     if "concurrency" in record:
-        c = record["concurrency"]
-        rows = [bench_concurrency.ConcurrencyRow(**r) for r in c["rows"]]
-        bench_concurrency.plot(rows, c["ceilings"], out_dir / "concurrency.png")
+        bench_concurrency.plot(record["concurrency"], out_dir / "concurrency.png")
     print(markdown)
     print(f"wrote {out_dir}/results.json, results.md and the plots")
     return 0
@@ -390,11 +388,8 @@ def format_markdown(record: dict) -> str:
     lines = [f"Command: `{record['command']}` — {record['prompts']} held-out prompts × "
              f"{record['new_tokens']} tokens; target on {devices['target']}, draft on {devices['draft']}.", ""]
     if "concurrency" in record:
-        c = record["concurrency"]
-        rows = [bench_concurrency.ConcurrencyRow(**r) for r in c["rows"]]
-        ceilings = {int(n): v for n, v in c["ceilings"].items()}
-        lines += ["### concurrency (greedy, aggregate tokens/s)", "", bench_concurrency.format_markdown(rows, ceilings),
-                  ""]
+        lines += ["### concurrency (greedy, aggregate tokens/s)", "",
+                  bench_concurrency.format_markdown(record["concurrency"]), ""]
     for mode, rows in record.get("results", {}).items():
         lines += [f"### {mode}", "",
                   "| configuration | RTT ms | tok/s | speedup | accepted / proposed | tokens/round | bytes/round "

@@ -3,15 +3,20 @@
 For N concurrent streaming sessions (``specdec loadtest``'s client), through
 the services in the bench's layout, with batching on (the default) and off
 (``--max-batch 1`` on both model services), target-only (static:0), static:4
-and adaptive; and a **ceiling** measured in the same run: the most tokens/s
-target-only decoding of N sessions could reach on this target, 1000 × N ÷ the
-milliseconds of one batched target pass over N sessions × 1 new token (each
-with a 128-token context), timed in this process on the target's core.
+and adaptive; and two **ceilings** from target passes timed in the same run, in
+this process on the target's core while the services idle:
+
+* decode ceiling: 1000 × N ÷ the ms of one batched pass over N sessions × 1 new
+  token (each with a 128-token context): target-only decoding with no prompts;
+* ceiling with prompts: N × T tokens ÷ (the prompts' batched prefill + T such
+  passes), T the tokens each request generates: what the load test asks for,
+  since every request brings a new 128-token prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import statistics
 import time
@@ -34,57 +39,113 @@ class ConcurrencyRow:
     itl_p50_ms: float
     requests: int
     errors: int
+    wall_s: float = 0.0
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per process, and the load client
+    target_pass_sessions: float = 0.0  # mean sessions in the target's forward passes
+
+
+@dataclasses.dataclass
+class Stack:
+    """One coordinator, draft and target: where to call it and what to watch."""
+
+    batching: bool
+    address: str
+    pids: dict[str, int]
+    target_metrics: str  # the target's /metrics URL
 
 
 def start_stacks(procs: Processes, target_dir: pathlib.Path, draft_dir: pathlib.Path,
-                 devices: dict[str, str]) -> dict[bool, str]:
+                 devices: dict[str, str]) -> dict[bool, Stack]:
     """A batching stack and a one-at-a-time stack (--max-batch 1 on both model
-    services); returns {batching: coordinator address}."""
+    services), keyed by batching."""
     from specdec.serving.server import free_port
 
-    addresses = {}
+    stacks = {}
     for batching in (True, False):
         extra = [] if batching else ["--max-batch", "1"]
         name = "batched" if batching else "max-batch-1"
-        ports = {role: free_port() for role in ("draft", "target", "coordinator")}
-        procs.start(f"concurrency-draft-{name}", ["draft-service", "--model", str(draft_dir), "--device",
-                                                  devices["draft"], "--port", str(ports["draft"]), *extra],
-                    core=DRAFT_CORE)
-        procs.start(f"concurrency-target-{name}", ["target-service", "--model", str(target_dir), "--device",
-                                                   devices["target"], "--port", str(ports["target"]), *extra],
-                    core=TARGET_CORE)
-        procs.start(f"concurrency-coordinator-{name}", [
-            "coordinator", "--draft", f"127.0.0.1:{ports['draft']}", "--target", f"127.0.0.1:{ports['target']}",
-            "--port", str(ports["coordinator"]), "--tokenizer", str(target_dir), "--max-workers", "256"],
-            core=COORDINATOR_CORE)
-        addresses[batching] = f"127.0.0.1:{ports['coordinator']}"
-    return addresses
+        ports = {role: free_port() for role in ("draft", "target", "coordinator", "metrics")}
+        commands = {
+            "draft": (["draft-service", "--model", str(draft_dir), "--device", devices["draft"],
+                       "--port", str(ports["draft"]), *extra], DRAFT_CORE),
+            "target": (["target-service", "--model", str(target_dir), "--device", devices["target"],
+                        "--port", str(ports["target"]), "--metrics-port", str(ports["metrics"]), *extra],
+                       TARGET_CORE),
+            "coordinator": (["coordinator", "--draft", f"127.0.0.1:{ports['draft']}", "--target",
+                             f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"]), "--tokenizer",
+                             str(target_dir), "--max-workers", "256"], COORDINATOR_CORE),
+        }
+        pids = {}
+        for role, (args, core) in commands.items():
+            procs.start(f"concurrency-{role}-{name}", args, core=core)
+            pids[role] = procs.children[-1].pid
+        stacks[batching] = Stack(batching, f"127.0.0.1:{ports['coordinator']}", pids,
+                                 f"http://127.0.0.1:{ports['metrics']}/metrics")
+    return stacks
 
 
-def ceiling(target_dir: pathlib.Path, device: str, sessions: int, context: int = 128, repeats: int = 15) -> float:
-    """1000 × N ÷ ms of one batched target pass over N sessions × 1 new token."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc), all threads."""
+    if pid == os.getpid():
+        return time.process_time()
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pass_sessions(metrics_url: str) -> tuple[float, float]:
+    """(sessions summed over passes, passes) from the target's batch-size histogram."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+        text = reply.read().decode()
+    found = {s.name: s.value for f in text_string_to_metric_families(text) if f.name == "specdec_batch_sequences"
+             for s in f.samples if s.name.endswith(("_sum", "_count"))}
+    return found.get("specdec_batch_sequences_sum", 0.0), found.get("specdec_batch_sequences_count", 0.0)
+
+
+def time_passes(target_dir: pathlib.Path, device: str, sessions: int, context: int = 128,
+                repeats: int = 15) -> dict[str, float]:
+    """Milliseconds of the target's batched passes for N sessions: their prompts'
+    prefill (``prompts_ms``, in passes of at most 2048 tokens, the services'
+    default) and one decoding step, N × 1 new token (``decode_ms``, a median)."""
     from specdec.models.runner import ModelRunner, Pass
 
     runner = ModelRunner(target_dir, device, lean=True)
-    seqs = []
-    for i in range(sessions):
-        seq = runner.new_sequence()
+    seqs = [runner.new_sequence() for _ in range(sessions)]
+    for i, seq in enumerate(seqs):
         seq.tokens.extend((i * 7 + j) % runner.vocab_size for j in range(context))
-        runner.logits(seq)
-        seqs.append(seq)
+    per_pass = max(1, 2048 // context)
+    start = time.perf_counter()
+    for first in range(0, sessions, per_pass):
+        runner.run_passes([Pass(seq) for seq in seqs[first:first + per_pass]])
+    _synchronize(runner.device)
+    prompts_ms = (time.perf_counter() - start) * 1000
     times = []
     for r in range(repeats + 2):
         for seq in seqs:  # one new token each, as a decoding step
             seq.tokens.append(r % runner.vocab_size)
         start = time.perf_counter()
         runner.run_passes([Pass(seq) for seq in seqs])
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
+        _synchronize(runner.device)
         times.append(time.perf_counter() - start)
-    return 1000 * sessions / (statistics.median(times[2:]) * 1000)
+    return {"prompts_ms": prompts_ms, "decode_ms": statistics.median(times[2:]) * 1000}
 
 
-def run_matrix(coordinators: dict[bool, str], prompts: list[list[int]], sessions_list: list[int],
+def ceilings(passes: dict[str, float], sessions: int, new_tokens: int) -> tuple[float, float]:
+    """(decode ceiling, ceiling with prompts) in tokens/s, from :func:`time_passes`."""
+    decode = 1000 * sessions / passes["decode_ms"]
+    with_prompts = 1000 * sessions * new_tokens / (passes["prompts_ms"] + new_tokens * passes["decode_ms"])
+    return decode, with_prompts
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_matrix(stacks: dict[bool, Stack], prompts: list[list[int]], sessions_list: list[int],
                new_tokens: int, requests_per_session: int = 2) -> list[ConcurrencyRow]:
     """Every (N, batching, policy), greedy, in an order alternating the two stacks."""
     pin(COORDINATOR_CORE)
@@ -92,17 +153,30 @@ def run_matrix(coordinators: dict[bool, str], prompts: list[list[int]], sessions
     for n in sessions_list:
         for policy in POLICIES:
             for batching in (True, False) if n % 2 else (False, True):
-                request = {"max_new_tokens": new_tokens, "gamma_policy": policy}
-                warm = run_load(coordinators[batching], prompts, sessions=n, requests=n, duration_s=None,
-                                request={**request, "max_new_tokens": 8})
-                del warm  # a policy's first calls, and adaptive's regime, are not measured
-                report = run_load(coordinators[batching], prompts, sessions=n, requests=n * requests_per_session,
-                                  duration_s=None, request=request)
-                rows.append(ConcurrencyRow(n, batching, policy, report.tokens_per_second, report.ttft_p50_s * 1e3,
-                                           report.itl_p50_s * 1e3, report.requests, sum(report.errors.values())))
+                rows.append(run_row(stacks[batching], prompts, n, policy, new_tokens, n * requests_per_session))
                 print(f"[concurrency] N={n} {policy} {'batched' if batching else 'max-batch 1'}: "
-                      f"{report.tokens_per_second:.0f} tok/s", flush=True)
+                      f"{rows[-1].tokens_per_second:.0f} tok/s", flush=True)
     return rows
+
+
+def run_row(stack: Stack, prompts: list[list[int]], sessions: int, policy: str, new_tokens: int,
+            requests: int) -> ConcurrencyRow:
+    """One row after a warm-up (a policy's first calls, and adaptive's regime, are
+    not measured), with the CPU each process spent and the target's batch sizes."""
+    request = {"max_new_tokens": new_tokens, "gamma_policy": policy}
+    run_load(stack.address, prompts, sessions=sessions, requests=sessions, duration_s=None,
+             request={**request, "max_new_tokens": 8})
+    pids = {**stack.pids, "client": os.getpid()}
+    cpu = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    batched = pass_sessions(stack.target_metrics)
+    report = run_load(stack.address, prompts, sessions=sessions, requests=requests, duration_s=None,
+                      request=request)
+    cpu = {role: cpu_seconds(pid) - cpu[role] for role, pid in pids.items()}
+    total, passes = (after - before for after, before in zip(pass_sessions(stack.target_metrics), batched,
+                                                              strict=True))
+    return ConcurrencyRow(sessions, stack.batching, policy, report.tokens_per_second, report.ttft_p50_s * 1e3,
+                          report.itl_p50_s * 1e3, report.requests, sum(report.errors.values()), report.wall_s,
+                          cpu, total / passes if passes else 0.0)
 
 
 def run_concurrency(procs: Processes, target_dir: pathlib.Path, draft_dir: pathlib.Path, devices: dict[str, str],
@@ -110,48 +184,75 @@ def run_concurrency(procs: Processes, target_dir: pathlib.Path, draft_dir: pathl
     """The whole matrix: stacks started, ceilings timed, every row run; JSON-ready."""
     from specdec.serving.client import Client
 
-    coordinators = start_stacks(procs, target_dir, draft_dir, devices)
-    for address in coordinators.values():
-        with Client(address) as client:
+    stacks = start_stacks(procs, target_dir, draft_dir, devices)
+    for stack in stacks.values():
+        with Client(stack.address) as client:
             client.wait_ready(180)
     pin(TARGET_CORE)  # the services are idle: time the target's passes on its core
-    ceilings = {n: ceiling(target_dir, devices["target"], n) for n in sessions_list}
-    rows = run_matrix(coordinators, prompts, sessions_list, new_tokens)
-    return {"sessions": sessions_list, "new_tokens": new_tokens, "ceilings": ceilings,
+    passes = {n: time_passes(target_dir, devices["target"], n) for n in sessions_list}
+    rows = run_matrix(stacks, prompts, sessions_list, new_tokens)
+    return {"sessions": sessions_list, "new_tokens": new_tokens, "passes": passes,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
 
-def format_markdown(rows: list[ConcurrencyRow], ceilings: dict[int, float]) -> str:
-    """Aggregate tok/s per N: each policy batched and at --max-batch 1, and the ratios the docs quote."""
+def _rows_and_ceilings(concurrency: dict) -> tuple[dict, dict[int, tuple[float, float]]]:
+    """From run_concurrency's record: {(N, batching, policy): row} and {N: ceilings}."""
+    rows = [ConcurrencyRow(**r) for r in concurrency["rows"]]
     by = {(r.sessions, r.batching, r.policy): r for r in rows}
-    lines = ["| sessions | ceiling | " + " | ".join(f"{p} batched | {p} max-batch 1" for p in POLICIES)
-             + " | batched ÷ max-batch 1 (static:0) | adaptive ÷ static:0 (batched) | static:0 batched ÷ ceiling "
-             "| TTFT p50 ms (adaptive, batched) | ITL p50 ms (adaptive, batched) |",
-             "|---" * (2 + 2 * len(POLICIES) + 5) + "|"]
-    for n in sorted({r.sessions for r in rows}):
-        cells = [str(n), f"{ceilings[n]:.0f}"]
-        cells += [f"{by[n, b, p].tokens_per_second:.0f}" for p in POLICIES for b in (True, False)]
-        base_b, base_1 = by[n, True, "static:0"].tokens_per_second, by[n, False, "static:0"].tokens_per_second
-        adaptive = by[n, True, "adaptive"]
-        cells += [f"{base_b / base_1:.2f}", f"{adaptive.tokens_per_second / base_b:.2f}",
-                  f"{base_b / ceilings[n]:.2f}", f"{adaptive.ttft_p50_ms:.0f}", f"{adaptive.itl_p50_ms:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    limits = {int(n): ceilings(p, int(n), concurrency["new_tokens"]) for n, p in concurrency["passes"].items()}
+    return by, limits
 
 
-def plot(rows: list[ConcurrencyRow], ceilings: dict[int, float], path: pathlib.Path) -> None:
+def format_markdown(concurrency: dict) -> str:
+    """Two tables: aggregate tok/s per N (each policy batched and at --max-batch 1,
+    and the ceilings), and the ratios the docs quote."""
+    by, limits = _rows_and_ceilings(concurrency)
+    ns = sorted(limits)
+    tps = ["| sessions | decode ceiling | ceiling with prompts | "
+           + " | ".join(f"{p} batched | {p} max-batch 1" for p in POLICIES) + " |",
+           "|---" * (3 + 2 * len(POLICIES)) + "|"]
+    ratios = ["| sessions | batched ÷ max-batch 1 (static:0) | adaptive ÷ static:0 | adaptive ÷ best of static:0, "
+              "static:4 | static:0 ÷ decode ceiling | static:0 ÷ ceiling with prompts | TTFT p50 ms | ITL p50 ms "
+              "| sessions per target pass | target's core busy (target's part) |",
+              "|---" * 10 + "|"]
+    for n in ns:
+        decode, with_prompts = limits[n]
+        tps.append(f"| {n} | {decode:.0f} | {with_prompts:.0f} | " + " | ".join(
+            f"{by[n, b, p].tokens_per_second:.0f}" for p in POLICIES for b in (True, False)) + " |")
+        base, adaptive = by[n, True, "static:0"].tokens_per_second, by[n, True, "adaptive"]
+        best = max(base, by[n, True, "static:4"].tokens_per_second)
+        cells = [base / by[n, False, "static:0"].tokens_per_second, adaptive.tokens_per_second / base,
+                 adaptive.tokens_per_second / best, base / decode, base / with_prompts]
+        ratios.append(f"| {n} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {adaptive.ttft_p50_ms:.0f} "
+                      f"| {adaptive.itl_p50_ms:.1f} | {core_use(by[n, True, 'static:0'])} |")
+    note = ("Ratios are batched unless named; TTFT and ITL are adaptive's; sessions per pass and the core's use "
+            "are static:0's (the coordinator and the load client share the target's core).")
+    return "\n".join([*tps, "", *ratios, "", note])
+
+
+def core_use(row: ConcurrencyRow) -> str:
+    """Mean sessions per target pass, and the share of wall time the target's core
+    was busy (target + coordinator + client) with the target's own share."""
+    if not row.wall_s or not row.cpu_s:
+        return "– | –"
+    shared = sum(row.cpu_s.get(role, 0.0) for role in ("target", "coordinator", "client"))
+    return f"{row.target_pass_sessions:.1f} | {shared / row.wall_s:.0%} ({row.cpu_s['target'] / row.wall_s:.0%})"
+
+
+def plot(concurrency: dict, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    by, limits = _rows_and_ceilings(concurrency)
+    ns = sorted(limits)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ns = sorted(ceilings)
-    ax.plot(ns, [ceilings[n] for n in ns], "k--", label="ceiling (target passes, 1 token per session)")
+    ax.plot(ns, [limits[n][0] for n in ns], "k--", label="decode ceiling (target passes, 1 token per session)")
+    ax.plot(ns, [limits[n][1] for n in ns], "k:", label="ceiling with prompts")
     for policy in POLICIES:
         for batching, style in ((True, "-o"), (False, ":x")):
-            values = [next(r.tokens_per_second for r in rows if (r.sessions, r.batching, r.policy)
-                           == (n, batching, policy)) for n in ns]
+            values = [by[n, batching, policy].tokens_per_second for n in ns]
             ax.plot(ns, values, style, label=f"{policy}{'' if batching else ', --max-batch 1'}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sessions")

@@ -169,6 +169,32 @@ def test_timing_counts_the_passes_a_call_was_in_and_its_wait(make):
     assert timings[1].queue_s >= 0.05  # b waited for a's passes, one at a time
 
 
+def test_a_call_with_no_pass_has_its_compute_when_it_is_done(make):
+    """Work that needs no pass (every draft made ahead) still took compute time,
+    and its timing is complete by the time its future says so."""
+    def no_pass():
+        time.sleep(0.01)
+        return "reused"
+        yield  # a generator with no pass
+
+    seen = []
+    timing = ServerTiming()
+    future = make(FakeRunner()).submit(no_pass(), timing)
+    future.add_done_callback(lambda _: seen.append(timing.compute_s))
+    assert future.result(5) == "reused"
+    assert seen[0] >= 0.01
+
+
+def test_the_wait_for_a_first_pass_is_reported_once_per_call(make):
+    waits = []
+    runner = FakeRunner(delay=0.02)
+    scheduler = make(runner, max_sequences=1, on_started=waits.append)
+    futures = [scheduler.submit(steps(Seq(n), passes=2), ServerTiming()) for n in "ab"]
+    for f in futures:
+        f.result(5)
+    assert len(waits) == 2 and max(waits) >= 0.02  # one call waited for the other's pass
+
+
 def test_after_close_work_fails_instead_of_hanging(make):
     scheduler = make(FakeRunner())
     scheduler.close()
