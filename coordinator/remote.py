@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
-from specdec.core.interfaces import DraftToken, SamplingParams, SessionState, Verdict
+from specdec.core.interfaces import DraftToken, PassLoad, SamplingParams, SessionState, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
@@ -301,5 +301,6 @@ class RemoteVerifier:
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
         s.calls.append(record)
         self.session.ids.next_id += 1  # Verify ends the round
-        return Verdict(accepted=response.accepted, next_token=response.next_token,
-                       batch_sequences=max(1.0, response.timing.batch_sequences))
+        t = response.timing
+        passes = PassLoad(t.batch_sequences, t.batch_tokens, t.pass_s) if t.batch_sequences else None
+        return Verdict(accepted=response.accepted, next_token=response.next_token, passes=passes)

@@ -141,6 +141,11 @@ class _DecayingLine:
         self.w, self.x, self.y, self.xx, self.xy = (v * keep for v in (self.w, self.x, self.y, self.xx, self.xy))
 
 
+# From this many sessions per verifying pass on (a decayed mean), the verify
+# slope is the passes' cost per token (see AdaptiveGamma).
+SHARED_PASSES = 1.5
+
+
 @dataclasses.dataclass
 class AdaptiveGamma:
     """Chooses γ each round to maximise E(γ) / round_time(γ).
@@ -153,18 +158,23 @@ class AdaptiveGamma:
       (round trip, pre-fill of new tokens) as the fixed part;
     * verify time as a linear function of γ (decayed least squares; the fixed
       part holds the round trip to the target);
-    * the load: how many sessions share the target's verifying pass (decayed
-      mean, as the target reports it).
+    * the load: how many sessions share the target's verifying pass, and the
+      cost of a pass as a function of the tokens in it (decayed mean and least
+      squares over the passes a batching target reports).
 
     Under load the goal is the tokens per second of the *system*, not of this
     session. In a pass shared by n sessions each draft this session adds costs
-    every one of them the pass's per-token time: with n alike sessions, total
+    every one of them the pass's per-token time b: with n alike sessions, total
     tokens/s n·E(γ) / (a + b·Σ(1 + γ)) is maximised where this session's
-    E(γ) / (a' + n·b·γ) is, so the verify slope is taken n times. Where the
-    target's passes are cheap per token (a GPU far from saturation) γ stays; where
-    they are not (a saturated target) γ falls, to 0 once a draft no longer pays
-    for n times its verification -- vLLM turns speculation off at large batches
-    for the same reason.
+    E(γ) / (a' + n·b·γ) is, so the verify slope is n·b. While passes are shared,
+    b comes from the passes (their time against their tokens), not from this
+    session's round times against its γ: those also rise when the other
+    sessions draft more, which they tend to do together (one learnt policy),
+    and would count their drafts as this session's. Where the target's passes
+    are cheap per token (a GPU far from saturation) γ stays; where they are not
+    (a saturated target) γ falls, to 0 once a draft no longer pays for n times
+    its verification -- vLLM turns speculation off at large batches for the
+    same reason.
 
     Rounds that began with a pre-fill (a new prompt, or a side catching up after
     γ = 0 rounds) teach acceptance but not cost.
@@ -226,6 +236,7 @@ class AdaptiveGamma:
         self._draft_per_token = _DecayingMean(self.decay)
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
         self._load = _DecayingMean(self.decay)  # sessions sharing the verifying pass
+        self._pass = _DecayingLine(self.decay)  # a verifying pass's seconds against its tokens
         self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
         self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
 
@@ -244,6 +255,9 @@ class AdaptiveGamma:
             return None
         slope = self._verify_slope
         load = self._load.value or 1.0
+        pass_slope = self._pass.slope() if load >= SHARED_PASSES else None
+        if pass_slope is not None:  # what one more token adds to a shared pass
+            slope = pass_slope
         return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope),
                          slope * load)
 
@@ -353,7 +367,10 @@ class AdaptiveGamma:
             self._tried[i] += 1
             if i < n:
                 self._accepted[i] += 1
-        self._load.add(max(1.0, result.verify_batch))
+        passes = result.verify_passes
+        self._load.add(max(1.0, passes.sequences) if passes is not None else 1.0)
+        if passes is not None and passes.seconds > 0:
+            self._pass.add(passes.tokens, passes.seconds)
         if not result.target_caught_up:  # a pre-fill is not what a round costs
             if probe:
                 self._check_verify_slope(g, result.verify_s)

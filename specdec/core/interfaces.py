@@ -86,10 +86,20 @@ class DraftToken:
 
 
 @dataclasses.dataclass(frozen=True)
+class PassLoad:
+    """The target's forward passes a verification ran in, on average: what the
+    adaptive policy learns a pass's cost from, and the load from."""
+
+    sequences: float  # sessions per pass (this one among them)
+    tokens: float  # new tokens per pass, over all its sessions
+    seconds: float  # time of one pass
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     accepted: int  # how many drafts were accepted (0..γ)
     next_token: int  # the correction (if accepted < γ) or the bonus token
-    batch_sequences: float = 1.0  # sessions that shared the verifying pass (a batching target reports it)
+    passes: PassLoad | None = None  # the forward passes it ran in (a batching target reports them)
 
 
 class Proposer(Protocol):
@@ -130,7 +140,7 @@ class RoundResult:
     # token of the last round): a pre-fill, or the draft catching up after γ = 0.
     draft_caught_up: int = 0
     target_caught_up: int = 0
-    verify_batch: float = 1.0  # sessions that shared the verifying pass
+    verify_passes: PassLoad | None = None  # the target's passes the verification ran in, when reported
 
 
 class RoundObserver(Protocol):

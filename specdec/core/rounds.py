@@ -108,7 +108,7 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
     t2 = time.perf_counter()
     tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token]
     return RoundResult(tokens, gamma, verdict.accepted, t1 - t0, t2 - t1, None, first, draft_behind,
-                       target_behind, verdict.batch_sequences)
+                       target_behind, verdict.passes)
 
 
 def _commit(result: RoundResult, state: SessionState, limits: Limits, budget: int, room: int) -> RoundResult:

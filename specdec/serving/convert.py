@@ -187,7 +187,8 @@ def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
 
 def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
     return pb.ServerTiming(queue_s=t.queue_s, compute_s=t.compute_s, copy_s=t.copy_s,
-                           computed_tokens=t.computed_tokens, batch_sequences=t.batch_sequences)
+                           computed_tokens=t.computed_tokens, batch_sequences=t.per_pass(t.pass_sequences),
+                           batch_tokens=t.per_pass(t.pass_tokens), pass_s=t.per_pass(t.pass_seconds))
 
 
 def timing_from_proto(msg: pb.ServerTiming) -> ServerTiming:

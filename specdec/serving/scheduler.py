@@ -175,13 +175,16 @@ class PassScheduler:
             return
         self._synchronize()
         elapsed = time.perf_counter() - start
+        tokens = sum(p.ran for p in passes)
         if self.on_pass is not None:
-            self.on_pass(PassStats(len(batch), sum(p.ran for p in passes), elapsed))
+            self.on_pass(PassStats(len(batch), tokens, elapsed))
         for work, out, p in zip(batch, logits, passes, strict=True):
             work.timing.compute_s += elapsed
             work.timing.computed_tokens += p.ran
             work.timing.passes += 1
             work.timing.pass_sequences += len(batch)
+            work.timing.pass_tokens += tokens
+            work.timing.pass_seconds += elapsed
             self._advance(work, out)
 
     def _advance(self, work: Work, reply: torch.Tensor | None) -> None:

@@ -18,8 +18,9 @@ class ServerTiming:
     computed_tokens: int = 0  # tokens run through the model in this call
     passes: int = 0  # forward passes this call was in
     pass_sequences: int = 0  # sessions in those passes, summed
+    pass_tokens: int = 0  # new tokens in those passes, summed
+    pass_seconds: float = 0.0  # their time, summed
 
-    @property
-    def batch_sequences(self) -> float:
-        """Sessions per forward pass this call was in, on average (0: none)."""
-        return self.pass_sequences / self.passes if self.passes else 0.0
+    def per_pass(self, total: float) -> float:
+        """``total`` over the passes this call was in (0: none)."""
+        return total / self.passes if self.passes else 0.0

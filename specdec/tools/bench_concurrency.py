@@ -10,7 +10,11 @@ this process on the target's core while the services idle:
   token (each with a 128-token context): target-only decoding with no prompts;
 * ceiling with prompts: N × T tokens ÷ (the prompts' batched prefill + T such
   passes), T the tokens each request generates: what the load test asks for,
-  since every request brings a new 128-token prompt.
+  since every request brings a new 128-token prompt;
+* γ = 4 ceiling: 1000 × N × 5 ÷ the ms of one pass over N sessions × 5 new
+  tokens, what speculation could reach with every draft accepted and drafting
+  free. Where it is not above the decode ceiling, the target's passes cost per
+  token, and speculation cannot pay at that load.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def time_passes(target_dir: pathlib.Path, device: str, sessions: int, context: i
                 repeats: int = 15) -> dict[str, float]:
     """Milliseconds of the target's batched passes for N sessions: their prompts'
     prefill (``prompts_ms``, in passes of at most 2048 tokens, the services'
-    default) and one decoding step, N × 1 new token (``decode_ms``, a median)."""
+    default), one decoding step, N × 1 new token (``decode_ms``), and one γ = 4
+    verification, N × 5 new tokens (``verify_ms``; medians)."""
     from specdec.models.runner import ModelRunner, Pass
 
     runner = ModelRunner(target_dir, device, lean=True)
@@ -121,23 +126,28 @@ def time_passes(target_dir: pathlib.Path, device: str, sessions: int, context: i
     for first in range(0, sessions, per_pass):
         runner.run_passes([Pass(seq) for seq in seqs[first:first + per_pass]])
     _synchronize(runner.device)
-    prompts_ms = (time.perf_counter() - start) * 1000
-    times = []
-    for r in range(repeats + 2):
-        for seq in seqs:  # one new token each, as a decoding step
-            seq.tokens.append(r % runner.vocab_size)
-        start = time.perf_counter()
-        runner.run_passes([Pass(seq) for seq in seqs])
-        _synchronize(runner.device)
-        times.append(time.perf_counter() - start)
-    return {"prompts_ms": prompts_ms, "decode_ms": statistics.median(times[2:]) * 1000}
+    times = {"prompts_ms": (time.perf_counter() - start) * 1000}
+    for name, new in (("decode_ms", 1), ("verify_ms", 5)):
+        samples = []
+        for r in range(repeats + 2):
+            for seq in seqs:  # new tokens each, then rolled back: every pass sees a 128-token context
+                runner.rollback(seq, context)
+                seq.tokens.extend((r + k) % runner.vocab_size for k in range(new))
+            start = time.perf_counter()
+            runner.run_passes([Pass(seq, last=new) for seq in seqs])
+            _synchronize(runner.device)
+            samples.append(time.perf_counter() - start)
+        times[name] = statistics.median(samples[2:]) * 1000
+    return times
 
 
-def ceilings(passes: dict[str, float], sessions: int, new_tokens: int) -> tuple[float, float]:
-    """(decode ceiling, ceiling with prompts) in tokens/s, from :func:`time_passes`."""
+def ceilings(passes: dict[str, float], sessions: int, new_tokens: int) -> tuple[float, float, float]:
+    """Tokens/s from :func:`time_passes`: the decode ceiling, the ceiling with
+    prompts, and γ = 4's ceiling with every draft accepted (5 tokens per
+    verification, the draft free; the prompts not counted)."""
     decode = 1000 * sessions / passes["decode_ms"]
     with_prompts = 1000 * sessions * new_tokens / (passes["prompts_ms"] + new_tokens * passes["decode_ms"])
-    return decode, with_prompts
+    return decode, with_prompts, 1000 * sessions * 5 / passes["verify_ms"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -195,7 +205,7 @@ def run_concurrency(procs: Processes, target_dir: pathlib.Path, draft_dir: pathl
             "rows": [dataclasses.asdict(r) for r in rows]}
 
 
-def _rows_and_ceilings(concurrency: dict) -> tuple[dict, dict[int, tuple[float, float]]]:
+def _rows_and_ceilings(concurrency: dict) -> tuple[dict, dict[int, tuple[float, float, float]]]:
     """From run_concurrency's record: {(N, batching, policy): row} and {N: ceilings}."""
     rows = [ConcurrencyRow(**r) for r in concurrency["rows"]]
     by = {(r.sessions, r.batching, r.policy): r for r in rows}
@@ -208,16 +218,16 @@ def format_markdown(concurrency: dict) -> str:
     and the ceilings), and the ratios the docs quote."""
     by, limits = _rows_and_ceilings(concurrency)
     ns = sorted(limits)
-    tps = ["| sessions | decode ceiling | ceiling with prompts | "
+    tps = ["| sessions | decode ceiling | ceiling with prompts | γ = 4 ceiling, all accepted | "
            + " | ".join(f"{p} batched | {p} max-batch 1" for p in POLICIES) + " |",
-           "|---" * (3 + 2 * len(POLICIES)) + "|"]
+           "|---" * (4 + 2 * len(POLICIES)) + "|"]
     ratios = ["| sessions | batched ÷ max-batch 1 (static:0) | adaptive ÷ static:0 | adaptive ÷ best of static:0, "
               "static:4 | static:0 ÷ decode ceiling | static:0 ÷ ceiling with prompts | TTFT p50 ms | ITL p50 ms "
               "| sessions per target pass | target's core busy (target's part) |",
               "|---" * 10 + "|"]
     for n in ns:
-        decode, with_prompts = limits[n]
-        tps.append(f"| {n} | {decode:.0f} | {with_prompts:.0f} | " + " | ".join(
+        decode, with_prompts, speculative = limits[n]
+        tps.append(f"| {n} | {decode:.0f} | {with_prompts:.0f} | {speculative:.0f} | " + " | ".join(
             f"{by[n, b, p].tokens_per_second:.0f}" for p in POLICIES for b in (True, False)) + " |")
         base, adaptive = by[n, True, "static:0"].tokens_per_second, by[n, True, "adaptive"]
         best = max(base, by[n, True, "static:4"].tokens_per_second)

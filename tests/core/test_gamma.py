@@ -15,7 +15,7 @@ from specdec.core.gamma import (
     expected_tokens,
     parse_gamma_policy,
 )
-from specdec.core.interfaces import RoundResult
+from specdec.core.interfaces import PassLoad, RoundResult
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95])
@@ -417,8 +417,9 @@ def test_the_estimates_are_described_in_one_line_for_the_log():
 
 @pytest.mark.parametrize("sessions, drafts", [(1, True), (32, False)])
 def test_under_load_a_draft_must_pay_for_every_session_sharing_the_pass(sessions, drafts):
-    """The same rounds, seen by one session alone on the target and by one of 32
-    in a saturated pass: each draft then delays all 32, and stops paying."""
+    """A target whose passes cost 1 ms a token (2 ms fixed), alone and shared by
+    32 sessions decoding without drafts: a draft then delays all 32 by 1 ms,
+    more than it is worth, and stops paying."""
     rng = random.Random(3)
     policy = AdaptiveGamma(gamma_max=8)
     for _ in range(200):
@@ -426,7 +427,28 @@ def test_under_load_a_draft_must_pay_for_every_session_sharing_the_pass(sessions
         n = 0
         while n < g and rng.random() < 0.8:
             n += 1
-        policy.observe(RoundResult([0] * (n + 1), g, n, 0.0008 * g, 0.030 + 0.001 * g, None, 0.0008,
-                                   verify_batch=sessions))
+        others = (sessions - 1) + rng.randint(0, 4) if sessions > 1 else 0  # a token each, a few catching up
+        passes = PassLoad(sessions, others + 1 + g, 0.002 + 0.001 * (others + 1 + g))
+        policy.observe(RoundResult([0] * (n + 1), g, n, 0.0008 * g, 0.001 + passes.seconds, None, 0.0008,
+                                   verify_passes=passes))
     assert (policy.best() > 0) is drafts
     assert ("32.0 sessions per verifying pass" in policy.describe()) is (sessions == 32)
+
+
+def test_under_load_the_cost_of_a_draft_comes_from_the_passes_not_from_rounds_that_draft_together():
+    """16 sessions on one learnt policy draft alike, so a round's time rises with
+    γ by all 16 sessions' drafts (and both halves of the batch, each in its own
+    pass). Read as this session's cost, and taken 16 times, drafting would stop;
+    the passes say a token costs 0.2 ms, and drafting pays."""
+    rng = random.Random(5)
+    policy = AdaptiveGamma(gamma_max=8)
+    for _ in range(300):
+        g = policy.choose() or rng.choice([1, 4])
+        n = 0
+        while n < g and rng.random() < 0.8:
+            n += 1
+        tokens = 8 * (1 + g)  # half of the 16 sessions in each pass, all at this γ
+        passes = PassLoad(8, tokens, 0.008 + 0.0002 * tokens)
+        policy.observe(RoundResult([0] * (n + 1), g, n, 0.0008 * g, 0.002 + 2 * passes.seconds, None, 0.0008,
+                                   verify_passes=passes))
+    assert policy.best() >= 3
