@@ -75,6 +75,11 @@ def test_draft_tokens_verdicts_timings():
     assert pc.draft_token_from_proto(pc.draft_token_to_proto(DraftToken(3, None))).q is None
     reply = pc.verdict_to_proto(Verdict(2, 9), timing)
     assert pc.verdict_from_proto(reply) == Verdict(2, 9)
+    # A batching service reports the passes a call was in, per pass.
+    shared = ServerTiming(compute_s=0.06, passes=2, pass_sequences=6, pass_tokens=20, pass_seconds=0.05)
+    wire = pc.timing_to_proto(shared)
+    assert (wire.batch_sequences, wire.batch_tokens, wire.pass_s) == (3.0, 10.0, pytest.approx(0.025))
+    assert pc.timing_to_proto(ServerTiming()).batch_sequences == 0.0  # no pass: nothing to report
     req = pc.verify_request("s", 1, 4, [1], [d], SamplingParams(1.0, seed=1))
     assert list(req.draft_tokens) == [5] and len(req.draft_q) == 1
     assert len(pc.verify_request("s", 1, 4, [1], [d], SamplingParams()).draft_q) == 0  # greedy: no q

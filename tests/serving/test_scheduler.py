@@ -73,7 +73,7 @@ def make():
         s.close()
 
 
-def submit_together(scheduler, runner, works):
+def submit_together(scheduler, runner, works, timings=None):
     """Submit ``works`` while the model thread is busy, so they meet in one pass."""
     hold = threading.Event()
 
@@ -83,7 +83,8 @@ def submit_together(scheduler, runner, works):
 
     first = scheduler.submit(blocker(), ServerTiming())
     time.sleep(0.05)
-    futures = [scheduler.submit(w, ServerTiming()) for w in works]
+    timings = timings or [ServerTiming() for _ in works]
+    futures = [scheduler.submit(w, t) for w, t in zip(works, timings, strict=True)]
     hold.set()
     first.result(5)
     return futures
@@ -92,9 +93,12 @@ def submit_together(scheduler, runner, works):
 def test_waiting_calls_share_one_pass(make):
     runner = FakeRunner(delay=0.05)
     scheduler = make(runner)
-    futures = submit_together(scheduler, runner, [steps(Seq(n)) for n in "abc"])
+    timings = [ServerTiming() for _ in "abc"]
+    futures = submit_together(scheduler, runner, [steps(Seq(n)) for n in "abc"], timings)
     assert [f.result(5) for f in futures] == ["a", "b", "c"]
     assert ["a", "b", "c"] in runner.passes
+    for t in timings:  # each call knows the pass it shared: 3 sessions, 3 new tokens, its time
+        assert (t.passes, t.pass_sequences, t.pass_tokens) == (1, 3, 3) and t.pass_seconds >= 0.05
 
 
 def test_a_pass_takes_every_waiting_session_before_any_gets_a_second(make):
