@@ -1,13 +1,21 @@
-"""Run draft/target services in this process, on a background event loop, for
-tests that talk to them with ordinary (blocking) gRPC clients over loopback."""
+"""Run services for tests that talk to them with ordinary (blocking) gRPC
+clients over loopback: draft/target services in this process, on a background
+event loop (:class:`LoopThread`, :func:`start_service`), or any service as a
+process of its own (:class:`ServiceProcess`)."""
 
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import subprocess
 import threading
+import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving.config import CONFIG_CLASSES
 from specdec.serving.model_host import RunningService, start_model_service
 
@@ -45,3 +53,48 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
 
 def channel(service: RunningService) -> grpc.Channel:
     return grpc.insecure_channel(f"127.0.0.1:{service.port}")
+
+
+class ServiceProcess:
+    """A service in a process of its own (``argv``, ``env``), logging to a file,
+    answering gRPC health at ``address``."""
+
+    def __init__(self, name: str, argv: list[str], logdir: pathlib.Path, address: str, *,
+                 env: dict[str, str] | None = None, cwd: pathlib.Path | None = None):
+        self.name = name
+        self.address = address
+        self.log_path = logdir / f"{name}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_serving(self, timeout: float = 90, service: str = "") -> ServiceProcess:
+        """Until gRPC health says SERVING for ``service`` ("": the server as a whole)."""
+        fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+        with grpc.insecure_channel(self.address, options=fast_reconnect) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + timeout
+            while True:
+                assert self.proc.poll() is None, f"{self.name} died:\n{self.log()}"
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=1,
+                                          wait_for_ready=True).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                assert time.time() < deadline, f"{self.name} not SERVING:\n{self.log()}"
+                time.sleep(0.1)
+
+    def model_info(self, role: str) -> pb.ModelInfo:
+        """A draft or target service's GetModelInfo."""
+        with grpc.insecure_channel(self.address) as ch:
+            stub = (pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub)(ch)
+            return stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import SamplingParams, SpeculativeDecoder
 from specdec.proto import specdec_pb2 as pb
@@ -27,6 +25,7 @@ from specdec.serving import errors
 from specdec.serving.client import Client, Delta, Stats
 from specdec.serving.server import free_port
 
+from service_harness import ServiceProcess
 from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -35,51 +34,14 @@ CAP = 900  # the coordinators' --max-new-tokens-cap
 PROMPT = "def fibonacci(n):"
 
 
-class Proc:
-    """One ``specdec`` sub-command in its own process, logging to a file."""
+class Proc(ServiceProcess):
+    """One ``specdec`` sub-command in its own process on a free loopback port, logging to a file."""
 
     def __init__(self, name: str, args: list[str], logdir: pathlib.Path):
-        self.name = name
         self.port = free_port()
-        self.log_path = logdir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
-        )
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_serving(self, timeout: float = 90) -> Proc:
-        fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
-        with grpc.insecure_channel(self.address, options=fast_reconnect) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.time() + timeout
-            while True:
-                assert self.proc.poll() is None, f"{self.name} died:\n{self.log()}"
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                assert time.time() < deadline, f"{self.name} not SERVING:\n{self.log()}"
-                time.sleep(0.1)
-
-    def model_info(self, role: str) -> pb.ModelInfo:
-        with grpc.insecure_channel(self.address) as ch:
-            stub = (pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub)(ch)
-            return stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        argv = [sys.executable, "-m", "specdec.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__(name, argv, logdir, f"127.0.0.1:{self.port}", env=env, cwd=REPO)
 
 
 def model_service(name, role, model, logdir, *extra):

@@ -1,0 +1,215 @@
+"""The Kubernetes manifests (deploy/kubernetes), rendered by ``kubectl
+kustomize``: valid objects of the Kubernetes release they are pinned to, and
+true to the deployment's rules (probes, resources, locked-down containers,
+drain, rollouts, disruption budgets, placement, GPUs). Every port, variable and
+flag they give a specdec container is checked against the services' own
+command line and config classes, not against a list kept here."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+from opentelemetry.sdk import environment_variables as otel_variables
+
+from specdec.serving.config import CONFIG_CLASSES, env_names
+
+import kube
+
+# Kinds from CRDs, which kubernetes-validate has no schema for: the Prometheus Operator's.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# Read by torch, not by specdec's settings: its CPU thread count.
+TORCH_VARIABLES = {"OMP_NUM_THREADS"}
+# After the drain a service flushes its last spans (up to 3 s) and exits.
+EXIT_S = 5
+MODEL_LOADER = kube.KUBERNETES / "model-loader.yaml"
+
+
+
+def validate(obj: dict) -> None:
+    what = f"{obj['kind']}/{obj['metadata']['name']}"
+    try:
+        kubernetes_validate.validate(obj, kube.KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        assert (obj["apiVersion"], obj["kind"]) in CRD_KINDS, f"{what}: not a Kubernetes {kube.KUBERNETES_VERSION} kind"
+    except kubernetes_validate.ValidationError as e:
+        pytest.fail(f"{what} is not valid for Kubernetes {kube.KUBERNETES_VERSION}: "
+                    f"{'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_every_object_is_valid_for_the_pinned_kubernetes_release(objects):
+    assert len(objects) > 20
+    for obj in objects:
+        validate(obj)
+
+
+def test_everything_lives_in_the_specdec_namespace(objects):
+    (namespace,) = kube.of_kind(objects, "Namespace")
+    assert namespace["metadata"]["name"] == kube.NAMESPACE
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for obj in objects:
+        if obj is not namespace:
+            assert obj["metadata"].get("namespace") == kube.NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def assert_locked_down(workload: dict, container: dict) -> None:
+    what = f"{workload['metadata']['name']}/{container['name']}"
+    pod = kube.pod_template(workload)["spec"]
+    sc, pod_sc = container.get("securityContext", {}), pod.get("securityContext", {})
+    assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, what
+    assert sc.get("readOnlyRootFilesystem") is True, what
+    assert sc.get("allowPrivilegeEscalation") is False, what
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"], what
+    assert (sc.get("seccompProfile") or pod_sc.get("seccompProfile")) == {"type": "RuntimeDefault"}, what
+    assert pod.get("automountServiceAccountToken") is False, f"{what}: nothing here calls the Kubernetes API"
+
+
+def test_every_container_has_probes_resources_and_a_locked_down_security_context(objects):
+    for workload, container in kube.containers(objects):
+        what = f"{workload['metadata']['name']}/{container['name']}"
+        assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), what
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(container.get("resources", {}).get(kind, {})), f"{what}: {kind}"
+        assert_locked_down(workload, container)
+
+
+def test_specdec_writes_only_to_an_empty_dir_at_its_home():
+    """The image points HOME and the library caches at /tmp; with a read-only
+    root filesystem that must be a mounted emptyDir."""
+    home = kube.image_env()["HOME"]
+    for name, objects in kube.renders().items():
+        for sc in kube.specdec_containers(objects):
+            (mount,) = [m for m in sc.container["volumeMounts"] if m["mountPath"] == home]
+            (volume,) = [v for v in sc.pod["volumes"] if v["name"] == mount["name"]]
+            assert "emptyDir" in volume, f"{name} {sc.name}"
+
+
+def test_specdec_probes_ask_grpc_health_on_the_port_the_service_listens_on(objects):
+    for sc in kube.specdec_containers(objects):
+        config = sc.config()
+        assert kube.container_port(sc.container, "grpc") == config.port, sc.name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert sc.container[probe]["grpc"]["port"] == config.port, f"{sc.name} {probe}"
+        startup = sc.container["startupProbe"]
+        budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+        # a model service may take minutes to load a large model; the coordinator loads a tokenizer
+        assert budget >= (60 if sc.role == "coordinator" else 600), f"{sc.name}: startup budget {budget} s"
+
+
+def test_termination_grace_covers_the_pre_stop_pause_and_the_drain(objects):
+    for sc in kube.specdec_containers(objects):
+        config = sc.config()
+        pause = sc.container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        # the coordinator, once drained, gives the sessions it cut --info-timeout to end
+        ending = config.info_timeout_s if sc.role == "coordinator" else 0
+        needed = pause + config.drain_grace_s + ending + EXIT_S
+        assert sc.pod["terminationGracePeriodSeconds"] >= needed, f"{sc.name} needs {needed} s"
+
+
+def test_rollouts_and_node_drains_never_take_the_last_ready_pod(objects):
+    budgets = kube.of_kind(objects, "PodDisruptionBudget")
+    for sc in kube.specdec_containers(objects):
+        strategy = sc.workload["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate", sc.name
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0 and strategy["rollingUpdate"]["maxSurge"] >= 1
+        (budget,) = [b for b in budgets if kube.matches(b["spec"]["selector"], kube.pod_labels(sc.workload))]
+        assert budget["spec"]["minAvailable"] >= 1, sc.name
+
+
+def test_model_pods_are_addressable_and_the_coordinator_scales_behind_a_service(objects):
+    roles = kube.by_role(objects)
+    for role in ("draft", "target"):
+        assert kube.service_for(objects, roles[role].workload)["spec"].get("clusterIP") == "None", f"{role}: headless"
+    assert kube.service_for(objects, roles["coordinator"].workload)["spec"].get("clusterIP") != "None"
+    (hpa,) = kube.of_kind(objects, "HorizontalPodAutoscaler")
+    coordinator = roles["coordinator"].workload
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": coordinator["kind"],
+                                             "name": coordinator["metadata"]["name"]}
+    assert "replicas" not in coordinator["spec"], "the autoscaler owns the coordinator's replica count"
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+
+
+def test_drafts_prefer_nodes_holding_targets_and_targets_spread_over_nodes(objects):
+    roles = kube.by_role(objects)
+    target_labels = kube.pod_labels(roles["target"].workload)
+    (preferred,) = roles["draft"].pod["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = preferred["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and kube.matches(term["labelSelector"], target_labels)
+    (spread,) = roles["target"].pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and kube.matches(spread["labelSelector"], target_labels)
+
+
+def gpus(container: dict) -> tuple[int, int]:
+    resources = container["resources"]
+    return (int(resources["requests"].get("nvidia.com/gpu", 0)), int(resources["limits"].get("nvidia.com/gpu", 0)))
+
+
+def test_gpu_overlay_gives_draft_and_target_a_gpu_each_in_pods_of_their_own():
+    roles = kube.by_role(kube.render(kube.OVERLAYS["gpu"]))
+    assert roles["draft"].workload is not roles["target"].workload
+    for role in ("draft", "target"):
+        sc = roles[role]
+        assert len(sc.pod["containers"]) == 1 and gpus(sc.container) == (1, 1), role
+        assert sc.pod["nodeSelector"], role
+        assert any(t["key"] == "nvidia.com/gpu" for t in sc.pod["tolerations"]), role
+        assert sc.config().device == "cuda:0", role
+        assert sc.config().model_path().startswith("/models/"), f"{role}: models from the volume"
+    assert gpus(roles["coordinator"].container) == (0, 0)
+
+
+def test_cpu_overlay_runs_on_cpus_with_the_bundled_models():
+    from specdec.models import bundled
+
+    roles = kube.by_role(kube.render(kube.OVERLAYS["cpu"]))
+    for role, sc in roles.items():
+        assert gpus(sc.container) == (0, 0), role
+        if role != "coordinator":
+            assert sc.config().device == "cpu"
+            assert sc.config().model_path() == str(bundled.draft_path() if role == "draft" else bundled.target_path())
+
+
+def accepted(role: str) -> set[str]:
+    """The variables a service reads: its settings' and OpenTelemetry's (and torch's thread count)."""
+    cls = CONFIG_CLASSES[role]
+    names = {env for field in cls.model_fields for env in env_names(cls, field)}
+    otel = {getattr(otel_variables, n) for n in dir(otel_variables) if n.startswith("OTEL_")}
+    return names | otel | TORCH_VARIABLES
+
+
+def test_every_flag_variable_and_port_is_one_the_services_accept(objects):
+    roles = kube.by_role(objects)
+    for role, sc in roles.items():
+        config = sc.config()  # fails on an argument specdec does not accept
+        for var in sc.container.get("env", []):
+            assert var["name"] in accepted(role), f"{sc.name}: {role} does not read {var['name']}"
+        assert {p["containerPort"] for p in sc.container["ports"]} == {config.port, config.metrics_port}
+        annotations = kube.pod_template(sc.workload)["metadata"]["annotations"]
+        assert int(annotations["prometheus.io/port"]) == config.metrics_port == kube.container_port(
+            sc.container, "metrics"), sc.name
+    for name in {ref["configMapRef"]["name"] for sc in roles.values() for ref in sc.container.get("envFrom", [])}:
+        readers = [role for role, sc in roles.items()
+                   if name in [ref["configMapRef"]["name"] for ref in sc.container.get("envFrom", [])]]
+        for key in kube.named(objects, "ConfigMap", name)["data"]:
+            assert any(key in accepted(role) for role in readers), f"ConfigMap {name}: no service reads {key}"
+
+
+def test_the_coordinator_finds_each_model_service_through_its_service(objects):
+    roles = kube.by_role(objects)
+    config = roles["coordinator"].config()
+    for role in ("draft", "target"):
+        (address,) = kube.addresses(getattr(config, role))
+        service = kube.service_host(objects, address["host"])
+        assert service is not None, f"--{role} {getattr(config, role)}: no such Service"
+        workload, _, port = kube.service_backend(objects, service, int(address["port"]))
+        assert workload is roles[role].workload and port == roles[role].config().port, role
+
+
+def test_the_model_loader_is_valid_and_locked_down():
+    (pod,) = yaml.safe_load_all(MODEL_LOADER.read_text())
+    validate(pod)
+    for container in pod["spec"]["containers"]:
+        assert_locked_down(pod, container)
+    (volume,) = pod["spec"]["volumes"]
+    pvc = kube.named(kube.render(kube.OVERLAYS["gpu"]), "PersistentVolumeClaim", "specdec-models")
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert pod["metadata"]["namespace"] == pvc["metadata"]["namespace"]

@@ -1,0 +1,157 @@
+"""The manifests run: every specdec container of the rendered cpu overlay starts
+here as a local process with exactly the command, arguments and environment
+its manifest gives it. Only what a cluster provides is stood in for: each pod's
+ports are free loopback ports, a Service name resolves to the port of the
+container behind it, each volume is a local folder, and the collector is an
+in-memory OTLP receiver. Then, as the kubelet would: wait for each readiness
+probe (gRPC health on the probe's port), stream a Generate through the
+coordinator's Service, and SIGTERM every process, which must exit within its
+terminationGracePeriodSeconds."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+import urllib.request
+
+from specdec import SpeculativeDecoder
+from specdec.models import bundled
+from specdec.serving.client import Client, Delta
+from specdec.serving.server import free_port
+from specdec.tools.otlp_receiver import OtlpReceiver
+
+import kube
+from service_harness import ServiceProcess
+
+PROMPT = "def fibonacci(n):"
+NEW_TOKENS = 32
+SERVICES = {"specdec-coordinator", "specdec-draft", "specdec-target"}  # their spans' service.name
+
+
+class LocalCluster:
+    """Where the rendered objects' pods, Services and volumes are on this machine."""
+
+    def __init__(self, objects, root: pathlib.Path):
+        self.objects, self.root = objects, root
+        self.ports: dict[tuple[str, int], int] = {}
+
+    def port(self, workload: dict, container_port: int) -> int:
+        """The loopback port standing in for a pod's container port."""
+        return self.ports.setdefault((workload["metadata"]["name"], container_port), free_port())
+
+    def address(self, host: str, port: int) -> str:
+        """Where ``host:port`` leads when ``host`` names a Service."""
+        workload, _, container_port = kube.service_backend(self.objects, kube.service_host(self.objects, host), port)
+        return f"127.0.0.1:{self.port(workload, container_port)}"
+
+    def volume(self, sc: kube.SpecdecContainer, mount: dict) -> pathlib.Path:
+        folder = self.root / sc.name / mount["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def local(self, sc: kube.SpecdecContainer, value: str) -> str:
+        """A manifest value as it reads here: one of the container's own ports,
+        Service addresses, paths under its volume mounts."""
+        if value.isdigit() and kube.container_port(sc.container, int(value)):
+            return str(self.port(sc.workload, int(value)))
+        value = kube.ADDRESS.sub(lambda m: self.address(m["host"], int(m["port"]))
+                                 if kube.service_host(self.objects, m["host"]) else m[0], value)
+        for mount in sc.container.get("volumeMounts", []):
+            path = mount["mountPath"]
+            if value == path or value.startswith(path + "/"):
+                value = str(self.volume(sc, mount)) + value[len(path):]
+        return value
+
+    def start(self, sc: kube.SpecdecContainer) -> ServiceProcess:
+        """The container as a process: its argv and environment, made local. The
+        environment this machine has stands in for the image's, less any
+        specdec or OpenTelemetry setting of its own."""
+        for mount in sc.container.get("volumeMounts", []):
+            self.volume(sc, mount)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECDEC_", "OTEL_"))}
+        env |= {name: self.local(sc, value) for name, value in sc.env.items()}
+        argv = [kube.tool(sc.argv[0], "specdec")] + [self.local(sc, a) for a in sc.argv[1:]]
+        probe = sc.container["readinessProbe"]["grpc"]
+        health = f"127.0.0.1:{self.port(sc.workload, probe['port'])}"
+        return ServiceProcess(sc.name, argv, self.root, health, env=env, cwd=self.root)
+
+
+def wait_ready(process: ServiceProcess, sc: kube.SpecdecContainer) -> None:
+    """As the kubelet does: the startup probe's budget to pass the readiness probe."""
+    startup = sc.container["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    process.wait_serving(timeout=min(budget, 120), service=sc.container["readinessProbe"]["grpc"].get("service", ""))
+
+
+def target_only(prompt: str, n: int) -> list[int]:
+    decoder = SpeculativeDecoder(target=str(bundled.target_path()))
+    ids = decoder.tokenizer.encode(prompt, add_special_tokens=False)
+    return decoder.generate(ids, max_new_tokens=n, gamma=0).token_ids
+
+
+def coordinator_address(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str:
+    """The coordinator's Service, on its gRPC port, as clients reach it."""
+    service = kube.service_for(cluster.objects, sc.workload)
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    return cluster.address(service["metadata"]["name"], port)
+
+
+def scrape(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str:
+    """/metrics where the pod's Prometheus annotation says."""
+    port = int(kube.pod_template(sc.workload)["metadata"]["annotations"]["prometheus.io/port"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port(sc.workload, port)}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def assert_kv_budget_fits_the_memory_limit(process: ServiceProcess, sc: kube.SpecdecContainer) -> None:
+    """The cache grows in steps of up to 1.5x its tokens; the process itself needs about half a GiB."""
+    info = process.model_info(sc.role)
+    cache = 1.5 * info.kv_budget_tokens * info.kv_bytes_per_token
+    limit = kube.quantity(sc.container["resources"]["limits"]["memory"])
+    assert cache + 2**29 <= limit, f"{sc.name}: a full KV budget takes {cache / 2**20:.0f} MiB of {limit / 2**20:.0f}"
+
+
+def stop_as_the_kubelet_does(processes: dict[str, ServiceProcess], roles: dict[str, kube.SpecdecContainer]):
+    """SIGTERM to every process at once; each must exit 0 within its grace period
+    less the preStop pause that the kubelet runs first."""
+    started = time.monotonic()
+    for process in processes.values():
+        process.proc.send_signal(signal.SIGTERM)
+    for role, process in processes.items():
+        sc = roles[role]
+        grace = sc.pod["terminationGracePeriodSeconds"] - sc.container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        try:
+            process.proc.wait(timeout=max(0.0, grace - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{role} still running {grace} s after SIGTERM:\n{process.log()}") from None
+        assert process.proc.returncode == 0, f"{role} exited {process.proc.returncode}:\n{process.log()}"
+
+
+def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path):
+    objects = kube.render(kube.OVERLAYS["cpu"])
+    roles = kube.by_role(objects)
+    cluster = LocalCluster(objects, tmp_path)
+    (collector,) = kube.addresses(roles["coordinator"].env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    with OtlpReceiver(port=int(cluster.address(collector["host"], int(collector["port"])).split(":")[1])) as otlp:
+        processes = {role: cluster.start(sc) for role, sc in roles.items()}  # all at once
+        try:
+            expected = target_only(PROMPT, NEW_TOKENS)  # while they start
+            for role, process in processes.items():
+                wait_ready(process, roles[role])
+            with Client(coordinator_address(cluster, roles["coordinator"]), timeout=60) as client:
+                events = list(client.generate(PROMPT, max_new_tokens=NEW_TOKENS))
+            assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == expected
+            assert events[-1].finish_reason == "length"
+            for sc in roles.values():
+                assert "specdec_rpc_server_duration_seconds" in scrape(cluster, sc), sc.name
+            for role in ("draft", "target"):
+                assert_kv_budget_fits_the_memory_limit(processes[role], roles[role])
+            stop_as_the_kubelet_does(processes, roles)
+        finally:
+            for process in processes.values():
+                process.stop()
+        # the sampler of the cpu overlay keeps every trace; the last spans were flushed at exit
+        assert SERVICES <= {span["service"] for span in otlp.spans}
