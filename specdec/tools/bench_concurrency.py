@@ -3,7 +3,7 @@
 For N concurrent streaming sessions (``specdec loadtest``'s client), through
 the services in the bench's layout, with batching on (the default) and off
 (``--max-batch 1`` on both model services), target-only (static:0), static:4
-and adaptive; and two **ceilings** from target passes timed in the same run, in
+and adaptive; and three **ceilings** from target passes timed in the same run, in
 this process on the target's core while the services idle:
 
 * decode ceiling: 1000 × N ÷ the ms of one batched pass over N sessions × 1 new
