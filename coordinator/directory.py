@@ -6,21 +6,57 @@ conversation (sampling parameters, how far each side is known to be in sync).
 Because the history is here, a service that evicted a session costs a re-pre-fill,
 never a different output.
 
-The interface is three calls on a whole record, so that a shared store can
-implement it with plain get/set/delete of one serialised value and any
-coordinator replica can continue any session.
+Each record has two parts, written separately: the session (its committed
+history, written when a turn starts and when it ends) and its last turn (the
+deltas streamed so far, written after every round and *before* the round's delta
+is streamed). So a turn cut short — the client's connection dropped, or this
+coordinator died — can be resumed, by any coordinator sharing the directory,
+from exactly the delta the client got last.
+
+Two directories implement :class:`SessionDirectory`: :class:`InMemoryDirectory`
+(one coordinator, nothing to install) and
+:class:`coordinator.redis_directory.RedisDirectory` (shared by coordinator
+replicas). Writes go through a :class:`Lease`: one request per session at a time,
+across every coordinator sharing the directory.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
+from coordinator.leases import SessionLeases
+
 log = logging.getLogger("specdec.coordinator")
+
+
+@dataclasses.dataclass
+class TurnRecord:
+    """A session's last turn, as far as it was streamed."""
+
+    number: int  # 1 for the session's first turn
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: dict  # the turn's sampling parameters, seed filled in
+    stop: list[str] = dataclasses.field(default_factory=list)
+    turn_id: str = ""  # the client's name for it ("" : none given, not resumable)
+    # The deltas streamed, in order: (token ids, text) each.
+    deltas: list[list] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""  # set when the turn finished: its tokens are then in the history
+
+    @property
+    def generated(self) -> list[int]:
+        return [token for ids, _ in self.deltas for token in ids]
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
 
 
 @dataclasses.dataclass
@@ -42,62 +78,123 @@ class SessionRecord:
     # continue each other's KV state.
     service_session_id: str = ""
     updated_at: float = dataclasses.field(default_factory=time.time)
+    turn: TurnRecord | None = None  # stored apart: see the module docstring
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def session_dict(self) -> dict:
+        return {f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "turn"}
+
+    def turn_dict(self) -> dict | None:
+        return None if self.turn is None else _copy(dataclasses.asdict(self.turn))
 
     @classmethod
-    def from_dict(cls, data: dict) -> SessionRecord:
-        return cls(**data)
+    def from_dicts(cls, session: dict, turn: dict | None) -> SessionRecord:
+        known = {f.name for f in dataclasses.fields(cls)}
+        record = cls(**{k: _copy(v) for k, v in session.items() if k in known and k != "turn"})
+        if turn is not None:
+            record.turn = TurnRecord(**_copy(turn))
+        return record
+
+
+@dataclasses.dataclass
+class Lease:
+    """The right to write one session's record, held by one request. ``token``
+    is the fencing token of a shared directory (0 for the in-memory one): every
+    write checks it is still the session's current lease, so a coordinator that
+    lost its lease (it stalled past the lease time, and another took over)
+    cannot overwrite what the new holder wrote."""
+
+    session_id: str
+    token: int = 0
 
 
 class SessionDirectory(Protocol):
     def get(self, session_id: str) -> SessionRecord | None:
-        """The stored record, or None for an unknown (or closed) session."""
+        """The stored record (with its last turn), or None for an unknown (or closed) session."""
 
-    def put(self, record: SessionRecord) -> None:
-        """Create or replace the record."""
+    def put(self, record: SessionRecord, lease: Lease | None) -> None:
+        """Create or replace the record, its last turn included."""
 
-    def delete(self, session_id: str) -> bool:
+    def put_turn(self, record: SessionRecord, lease: Lease | None) -> None:
+        """Replace only the record's last turn (after each round)."""
+
+    def delete(self, session_id: str, lease: Lease | None) -> bool:
         """Forget the session; True if it existed."""
+
+    def hold(self, session_id: str, cancelled: threading.Event | None = None,
+             wait_s: float | None = None) -> contextlib.AbstractContextManager[Lease | None]:
+        """Hold the session for one request: yields its lease, or None if the
+        request was cancelled before it got it. FailedPrecondition when another
+        request keeps it past ``wait_s``."""
+
+    def check(self) -> None:
+        """Raise Unavailable if the directory cannot be reached now."""
+
+    def close(self) -> None: ...
 
 
 class InMemoryDirectory:
-    """The default directory: a dict in this process (one coordinator, nothing to
+    """The default directory: dicts in this process (one coordinator, nothing to
     install). Records are copied in and out so callers never share mutable state
-    with the store — the same semantics a networked store would have. At most
+    with the store — the same semantics a networked store has. At most
     ``max_records`` are kept; beyond that the least recently written is dropped
     (a client that never closes its sessions cannot grow the coordinator
     without bound)."""
 
     def __init__(self, max_records: int = 100_000) -> None:
         self.max_records = max_records
-        self._records: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        # session id -> [session dict, turn dict | None]
+        self._records: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._leases = SessionLeases()
 
     def get(self, session_id: str) -> SessionRecord | None:
         with self._lock:
-            data = self._records.get(session_id)
-        return None if data is None else SessionRecord.from_dict(_copy(data))
+            parts = self._records.get(session_id)
+        return None if parts is None else SessionRecord.from_dicts(*parts)
 
-    def put(self, record: SessionRecord) -> None:
+    def put(self, record: SessionRecord, lease: Lease | None = None) -> None:
         record.updated_at = time.time()
         with self._lock:
-            self._records[record.session_id] = _copy(record.to_dict())
+            self._records[record.session_id] = [record.session_dict(), record.turn_dict()]
             self._records.move_to_end(record.session_id)
             while len(self._records) > self.max_records:
                 dropped, _ = self._records.popitem(last=False)
-                log.info("session directory full (%d): forgot least recently used session %r",
+                log.info("session directory full (%d): forgot least recently used session %s",
                          self.max_records, dropped)
 
-    def delete(self, session_id: str) -> bool:
+    def put_turn(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        with self._lock:
+            parts = self._records.get(record.session_id)
+            if parts is not None:
+                parts[1] = record.turn_dict()
+        if parts is None:
+            self.put(record, lease)
+
+    def delete(self, session_id: str, lease: Lease | None = None) -> bool:
         with self._lock:
             return self._records.pop(session_id, None) is not None
+
+    @contextlib.contextmanager
+    def hold(self, session_id: str, cancelled: threading.Event | None = None,
+             wait_s: float | None = None) -> Iterator[Lease | None]:
+        with self._leases.hold(session_id, cancelled) as held:
+            yield Lease(session_id) if held else None
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._records)
 
 
-def _copy(data: dict) -> dict:
-    return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+def _copy(value):
+    """A copy deep enough for records: lists and dicts of plain values, nested."""
+    if isinstance(value, list):
+        return [_copy(v) if isinstance(v, (list, dict)) else v for v in value]
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value

@@ -5,7 +5,9 @@ pieces:
   checked to work together;
 * :class:`coordinator.requests.RequestCheck` — a job's checks, before any
   session is touched;
-* :class:`coordinator.leases.SessionLeases` — one request per session at a time;
+* :class:`coordinator.directory.SessionDirectory` — each session's history and
+  last turn, and its lease: one request per session at a time (in memory, or
+  in Redis shared by coordinator replicas);
 * :class:`coordinator.learned_gamma.LearnedGamma` — adaptive γ's warm start;
 * :class:`coordinator.turn.Turn` — the session's rounds, committed or rolled
   back, and the stats;
@@ -31,7 +33,6 @@ from collections.abc import Iterator
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory
 from coordinator.learned_gamma import LearnedGamma, regime
-from coordinator.leases import SessionLeases
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
@@ -52,7 +53,7 @@ class Coordinator:
         self.config = config
         self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.tokenizer = tokenizer
-        self.directory: SessionDirectory = directory or InMemoryDirectory(config.max_sessions)
+        self.directory: SessionDirectory = directory or make_directory(config)
         timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s, metrics=metrics)
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
@@ -61,7 +62,6 @@ class Coordinator:
                                   pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None,
                                   on_change=self.learned.forget)
         self.checks = RequestCheck(config, tokenizer)
-        self.leases = SessionLeases()
         self.services = Services(self.draft, self.target, self.pairs, CoordinatorObserver(metrics))
 
     def pair(self, fresh: bool = False) -> PairInfo:
@@ -80,10 +80,13 @@ class Coordinator:
         request = self.checks.validate(job, pair)
         key = regime(request.params, request.draft_top_k)
         request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
-        with self.leases.hold(job.session_id, cancelled) as held:
-            if not held:
+        # A resumed turn takes over from a coordinator that may have died
+        # holding the session: its lease runs out within the lease time.
+        wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
+        with self.directory.hold(job.session_id, cancelled, wait_s) as lease:
+            if lease is None:
                 return
-            turn = Turn(self.services, self.directory, request, pair, self.tokenizer)
+            turn = Turn(self.services, self.directory, request, pair, self.tokenizer, lease)
             with generation_span(_info(request, pair, turn)) as span, \
                     contextlib.closing(turn.run(cancelled, started)) as events:
                 for event in events:
@@ -98,11 +101,11 @@ class Coordinator:
         """Forget a named session and free its state in both services."""
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
-        with self.leases.hold(session_id):  # no Generate may start on it meanwhile
+        with self.directory.hold(session_id) as lease:  # no Generate may start on it meanwhile
             record = self.directory.get(session_id)
             if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
-            self.directory.delete(session_id)
+            self.directory.delete(session_id, lease)
             self.draft.end_session(record.service_session_id)
             self.target.end_session(record.service_session_id)
             return True
@@ -110,6 +113,17 @@ class Coordinator:
     def close(self) -> None:
         self.draft.close()
         self.target.close()
+        self.directory.close()
+
+
+def make_directory(config: CoordinatorConfig) -> SessionDirectory:
+    """``--redis URL``: the directory every coordinator given that URL shares;
+    otherwise one in this process's memory."""
+    if not config.redis:
+        return InMemoryDirectory(config.max_sessions)
+    from coordinator.redis_directory import RedisDirectory
+
+    return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s)
 
 
 def _info(request: Request, pair: PairInfo, turn: Turn) -> GenerationInfo:

@@ -65,6 +65,10 @@ class RequestCheck:
             raise errors.InvalidRequest("prompt is empty: give a prompt (text) or prompt_ids")
         if len(job.session_id) > MAX_SESSION_ID_LEN:
             raise errors.InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
+        if len(job.turn_id) > MAX_SESSION_ID_LEN:
+            raise errors.InvalidRequest(f"turn_id is longer than {MAX_SESSION_ID_LEN} characters")
+        if job.resume_after is not None and not (job.session_id and job.turn_id):
+            raise errors.InvalidRequest("resume_after needs the session_id and turn_id of the turn to resume")
         cap = self.config.max_new_tokens_cap
         if not 0 < job.max_new_tokens <= cap:
             raise errors.InvalidRequest(f"max_new_tokens must be in [1, {cap}], got {job.max_new_tokens}")

@@ -18,6 +18,7 @@ import logging
 import pathlib
 
 from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig, add_flags
 from specdec.serving.server import (
     COORDINATOR_SERVICE,
@@ -66,6 +67,7 @@ class RunningCoordinator:
     port: int
     telemetry: ServiceTelemetry | None = None
     servicer: object = None
+    watcher: asyncio.Task | None = None  # the directory's reachability -> health
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
@@ -91,6 +93,8 @@ class RunningCoordinator:
             if late:
                 log.warning("%d cancelled requests still ending after %.0f s: closing their channels",
                             len(late), self.engine.config.info_timeout_s)
+        if self.watcher is not None:
+            self.watcher.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
@@ -129,15 +133,38 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         raise
     await server.start()
     await server.set_serving(True)
-    log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s)",
-             config.host, port, config.draft, config.target, tok_dir or "none")
+    log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
+             "sessions %s)", config.host, port, config.draft, config.target, tok_dir or "none",
+             f"in Redis at {engine.directory.where}" if config.redis else "in memory")
     def checked(future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is not None:  # not fatal: Generate checks again
             log.warning("model pair not checked yet (%s); will check at the first request", future.exception())
 
     # In the background: the services may still be loading their models.
     asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
-    return RunningCoordinator(server, engine, executor, port, telemetry, servicer)
+    watcher = asyncio.create_task(watch_directory(server, engine.directory)) if config.redis else None
+    return RunningCoordinator(server, engine, executor, port, telemetry, servicer, watcher)
+
+
+async def watch_directory(server: GrpcServer, directory, every_s: float = 1.0) -> None:
+    """Health NOT_SERVING while the shared session directory cannot be reached
+    (a load balancer then sends new work to other coordinators), SERVING again
+    when it can."""
+    reachable = True
+    while True:
+        try:
+            await asyncio.to_thread(directory.check)
+            now, why = True, ""
+        except errors.Unavailable as e:
+            now, why = False, str(e)
+        if now != reachable:
+            if now:
+                log.info("the session directory is reachable again: serving")
+            else:
+                log.warning("%s: health NOT_SERVING until it is back", why)
+            await server.set_serving(now)
+            reachable = now
+        await asyncio.sleep(every_s)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,8 +62,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if self.end_streams_at is not None and loop.time() >= self.end_streams_at and not stats_sent:
                     raise errors.Draining(
                         f"the coordinator is shutting down and its drain grace ({self.drain_grace_s:g} s) ran "
-                        f"out after {streamed} generated tokens were streamed; the turn did not finish: send it "
-                        "again (a named session's history is in this coordinator's memory, gone with it)")
+                        f"out after {streamed} generated tokens were streamed; the turn did not finish: resume "
+                        "it (resume_after = deltas received) on a coordinator sharing this one's --redis "
+                        "directory, or send it again")
                 step = self.executor.submit(context.run, next, steps, _END)
                 # shield: a cancellation must not abandon the step running on the thread
                 event = await asyncio.shield(asyncio.wrap_future(step))

@@ -2,14 +2,16 @@
 
     open (the session's record, the context check)
       -> run rounds (the core round loop with the remote proposer and verifier),
-         streaming a Delta per round
-      -> commit (the history grows) or roll back (it stays as before the turn)
+         each round's delta written to the directory, then streamed
+      -> commit (the history grows) or leave the turn unfinished
       -> stats
 
-A turn is all or nothing for the session's history: one that does not finish
-(the client cancelled, a service failed) leaves it as it was before the turn,
-its prompt included. What the client received of it cannot be known (gRPC
-buffers a stream's messages), so a client that wants to keep it sends it again.
+A turn's tokens join the session's history only when it finishes. One that does
+not (the client went away, a service or this coordinator failed) stays in the
+directory as the session's unfinished last turn, its deltas up to the last one
+streamed: a request with ``resume_after`` continues it from the delta the client
+got last, on this coordinator or on any other sharing the directory; any other
+request drops it, so the history is as before that turn.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from coordinator.directory import SessionDirectory, SessionRecord
+from coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, ServiceClient, SideStats
 from coordinator.requests import Request
 from specdec.core.gamma import StaticGamma
-from specdec.core.interfaces import RoundObserver, RoundResult, SessionState
+from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
 from specdec.core.rounds import Limits, run_rounds
 from specdec.core.text import TextStream
 from specdec.serving import errors
@@ -46,40 +48,88 @@ class Services:
     observer: RoundObserver
 
 
-def open_record(directory: SessionDirectory, session_id: str) -> tuple[SessionRecord, bool]:
-    """The session's record and whether it existed ("" : a one-shot session,
-    never stored). A new named session gets a fresh name in the services: what
+def open_record(directory: SessionDirectory, session_id: str) -> SessionRecord:
+    """The session's record, stored or new ("" : a one-shot session, never
+    stored). A new named session gets a fresh name in the services: what
     they may hold under an earlier record of this id (forgotten here, or
     another coordinator's) is not this session's history; their TTL frees it."""
     record = directory.get(session_id) if session_id else None
     if record is not None:
-        return record, True
+        return record
     if not session_id:
         sid = f"oneshot-{uuid.uuid4().hex}"
-        return SessionRecord(session_id=sid, service_session_id=sid), False
+        return SessionRecord(session_id=sid, service_session_id=sid)
     log.info("%s: a new session (no history here: stats.history_tokens is 0)", session_id)
-    return SessionRecord(session_id=session_id, service_session_id=f"{session_id}~{uuid.uuid4().hex[:12]}"), False
+    return SessionRecord(session_id=session_id, service_session_id=fresh_service_name(session_id))
+
+
+def fresh_service_name(session_id: str) -> str:
+    return f"{session_id}~{uuid.uuid4().hex[:12]}"
+
+
+def resumed_turn(record: SessionRecord, job) -> TurnRecord | None:
+    """The turn a ``resume_after`` request continues, or None when it asks for
+    a turn the directory never recorded before any delta was streamed (it
+    starts afresh)."""
+    turn = record.turn
+    if turn is None or turn.turn_id != job.turn_id:
+        if job.resume_after == 0:
+            return None
+        raise errors.FailedPrecondition(
+            f"turn {job.turn_id!r} of session {record.session_id!r} is not in the session directory (it forgot "
+            f"the session, or another turn followed): its deltas cannot be resumed; send it as a new turn")
+    if job.resume_after > len(turn.deltas):
+        raise errors.InvalidRequest(f"resume_after {job.resume_after}: turn {job.turn_id!r} of session "
+                                    f"{record.session_id!r} has streamed only {len(turn.deltas)} deltas")
+    return turn
 
 
 class Turn:
     def __init__(self, services: Services, directory: SessionDirectory, request: Request, pair: PairInfo,
-                 tokenizer=None):
+                 tokenizer=None, lease: Lease | None = None):
         self.services, self.directory, self.request, self.pair = services, directory, request, pair
-        self.tokenizer = tokenizer
-        self.record, self.existed = open_record(directory, request.job.session_id)
+        self.tokenizer, self.lease = tokenizer, lease
+        self.record = open_record(directory, request.job.session_id)
         self.named = bool(request.job.session_id)
-        self.history = len(self.record.tokens)  # the session's tokens before this turn
+        resumed = resumed_turn(self.record, request.job) if request.job.resume_after is not None else None
+        self.resume_after = request.job.resume_after if resumed is not None else None
+        if self.record.turn is not None and not self.record.turn.finished:
+            self._forget_services_state()
+        self.turn = resumed or self._new_turn()
+        self.params = SamplingParams(**self.turn.sampling)
+        before = self.record.tokens  # the session's tokens before this turn
+        if self.turn.finished:  # (a resumed turn that finished: they hold it)
+            before = before[:len(before) - len(self.turn.prompt_ids) - len(self.turn.generated)]
+        self.history = len(before)
         self.drafting = not (isinstance(request.policy, StaticGamma) and request.policy.gamma == 0)
-        self.state = SessionState(tokens=self.record.tokens + request.prompt_ids,
+        self.state = SessionState(tokens=before + self.turn.prompt_ids + self.turn.generated,
                                   draft_synced=self.record.draft_synced, target_synced=self.record.target_synced)
-        if len(self.state.tokens) >= pair.context:
+        if len(self.state.tokens) >= pair.context and self.resume_after is None:
             history = f" ({len(self.state.tokens)} with the session history)" if self.record.tokens else ""
             raise errors.InvalidRequest(
-                f"prompt of {len(request.prompt_ids)} tokens{history} does not fit the model context of "
+                f"prompt of {len(self.turn.prompt_ids)} tokens{history} does not fit the model context of "
                 f"{pair.context} (at least one position must be left to generate)")
         self.ids = RoundIds(self.record.next_round_id)
         self.draft_stats, self.target_stats = SideStats(), SideStats()
         self.rounds: list[RoundResult] = []
+        self.ended_before: str | None = None  # a resumed turn that had ended before it was cut short
+
+    def _forget_services_state(self) -> None:
+        """The last turn did not finish: what the services hold of this session
+        (if anything: a coordinator that died could not end it) is unknown, so
+        the turn continues, or the next one starts, under a fresh name there,
+        re-pre-filled from the history. Their TTL frees the old name."""
+        self.record.service_session_id = fresh_service_name(self.record.session_id)
+        self.record.draft_synced = self.record.target_synced = 0
+
+    def _new_turn(self) -> TurnRecord:
+        record, request = self.record, self.request
+        if record.turn is not None and not record.turn.finished:
+            log.info("%s: turn %d did not finish and is not resumed: dropped, the history stays as before it",
+                     record.session_id, record.turn.number)
+        number = record.turn.number + 1 if record.turn is not None else 1
+        return TurnRecord(number, list(request.prompt_ids), request.job.max_new_tokens,
+                          dataclasses.asdict(request.params), list(request.job.stop), request.job.turn_id)
 
     @property
     def key(self) -> str:
@@ -90,8 +140,16 @@ class Turn:
         """A Delta per round as soon as it commits, then the stats. ``cancelled``
         set (the client has gone): no round starts after it. Closing this
         generator early frees what the services hold for the turn."""
-        text = TextStream(self.tokenizer, self.request.job.stop, context_ids=self.state.tokens) \
-            if self.tokenizer is not None else None
+        if self.resume_after is not None:
+            for ids, text in self.turn.deltas[self.resume_after:]:  # what the client missed
+                yield Delta(list(ids), text)
+            if self.turn.finished:
+                yield self._stats(time.perf_counter() - started)
+                return
+        elif self.named:
+            self.record.turn = self.turn
+            self.directory.put(self.record, self.lease)  # resumable from its first round on
+        text = self._text_stream()
         rounds = self._rounds(text)
         done = False
         try:
@@ -99,17 +157,40 @@ class Turn:
                 self.rounds.append(result)
                 delta = text.take() if text is not None else ""
                 if result.tokens or delta:
-                    yield Delta(list(result.tokens), delta)
+                    yield self._streamed(Delta(list(result.tokens), delta))
                 if cancelled.is_set():  # this step may have queued behind others
                     return
             tail = text.finish() if text is not None else ""
             if tail:
-                yield Delta([], tail)
+                yield self._streamed(Delta([], tail))
             done = True
         finally:
             rounds.close()
             self._settle(done)
         yield self._stats(time.perf_counter() - started)
+
+    def _text_stream(self) -> TextStream | None:
+        """Text for the turn's deltas; a resumed turn's stream is fed what the
+        turn generated so far, so it goes on exactly where it was (a stop
+        string straddling the resume point included)."""
+        if self.tokenizer is None:
+            return None
+        generated = self.turn.generated
+        text = TextStream(self.tokenizer, self.turn.stop, context_ids=self.state.tokens[:len(self.state.tokens)
+                                                                                     - len(generated)])
+        if generated:
+            text.stop_after(generated)
+            text.take()  # already streamed
+        if self.turn.deltas and not self.turn.deltas[-1][0]:
+            text.finish()  # so was the text held back to the end (a delta of no tokens)
+        return text
+
+    def _streamed(self, delta: Delta) -> Delta:
+        """Record the delta in the session's turn before the client gets it."""
+        self.turn.deltas.append([delta.token_ids, delta.text])
+        if self.named:
+            self.directory.put_turn(self.record, self.lease)
+        return delta
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
@@ -118,29 +199,53 @@ class Turn:
         if self.drafting:
             proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k)
         verifier = RemoteVerifier(services.target, session, self.target_stats)
-        limits = Limits(req.job.max_new_tokens, pair.context, pair.eos_token_ids, text)
-        return run_rounds(proposer, verifier, self.state, params=req.params, gamma_policy=req.policy,
+        self.ended_before = self._complete(text)
+        budget = 0 if self.ended_before else self.turn.max_new_tokens - len(self.turn.generated)
+        limits = Limits(budget, pair.context, pair.eos_token_ids, text)
+        return run_rounds(proposer, verifier, self.state, params=self.params, gamma_policy=req.policy,
                           limits=limits, observer=services.observer)
 
+    def _complete(self, text: TextStream | None) -> str | None:
+        """Why a resumed turn had already ended before it was cut short (its
+        last delta was streamed, its end not recorded), or None."""
+        generated = self.turn.generated
+        if text is not None and text.stopped:
+            return "stop"
+        if generated and generated[-1] in self.pair.eos_token_ids:
+            return "eos"
+        return "length" if len(generated) >= self.turn.max_new_tokens else None
+
+    @property
+    def finish_reason(self) -> str:
+        if self.turn.finished:
+            return self.turn.finish_reason
+        if self.rounds and self.rounds[-1].finish_reason:
+            return self.rounds[-1].finish_reason
+        return self.ended_before or "length"
+
     def _settle(self, done: bool) -> None:
-        """Commit the turn to the session's history, or leave it as it was and
-        free what the services hold (best effort)."""
+        """Commit the turn to the session's history, or leave it unfinished (and
+        resumable) and free what the services hold (best effort)."""
         record, state = self.record, self.state
         # A failed round may have left its id recorded in one service: skip it.
         record.next_round_id = self.ids.next_id + (0 if done else 1)
         if not done:
             log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services; "
-                     "the session's history stays as before this turn", record.session_id, self.generated)
+                     "the turn can be resumed, or is dropped by the next one", record.session_id, self.generated)
             self._end_in_services(draft=True)
-            if self.existed:  # the services' state is gone: re-pre-filled if the session continues
-                record.draft_synced = record.target_synced = 0
-                self.directory.put(record)
+            record.draft_synced = record.target_synced = 0  # re-pre-filled if the session continues
+            if self.named:
+                try:
+                    self.directory.put(record, self.lease)
+                except errors.SpecdecError as e:  # not to hide why the turn stopped; the next one starts fresh
+                    log.warning("%s: the unfinished turn was not recorded: %s", record.session_id, e)
         elif self.named:
+            self.turn.finish_reason = self.finish_reason
             record.tokens = state.tokens
-            record.sampling = dataclasses.asdict(self.request.params)
+            record.sampling = dict(self.turn.sampling)
             record.gamma_policy = self.request.gamma_policy
             record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
-            self.directory.put(record)
+            self.directory.put(record, self.lease)
         else:
             self._end_in_services(draft=self.drafting)
 
@@ -151,18 +256,19 @@ class Turn:
 
     @property
     def generated(self) -> int:
-        return len(self.state.tokens) - self.history - len(self.request.prompt_ids)
+        """The turn's generated tokens, those streamed before a resume included."""
+        return len(self.state.tokens) - self.history - len(self.turn.prompt_ids)
 
     def _stats(self, elapsed: float) -> GenerationStats:
         d, t = self.draft_stats, self.target_stats
         gammas, accepted = [r.gamma for r in self.rounds], [r.accepted for r in self.rounds]
-        finish = self.rounds[-1].finish_reason if self.rounds else None
-        prompt = len(self.request.prompt_ids)
+        finish = self.finish_reason
+        prompt = len(self.turn.prompt_ids)
         log.info("%s: %d prompt + %d new tokens in %.2f s, %d rounds, accepted %d/%d drafts, finish %s",
                  self.record.session_id, prompt, self.generated, elapsed, len(gammas), sum(accepted), sum(gammas),
-                 finish or "length")
+                 finish)
         return GenerationStats(
-            session_id=self.request.job.session_id, finish_reason=finish or "length", prompt_tokens=prompt,
+            session_id=self.request.job.session_id, finish_reason=finish, prompt_tokens=prompt,
             generated_tokens=self.generated, rounds=len(gammas), drafted_tokens=sum(gammas),
             accepted_tokens=sum(accepted), gammas=gammas, accepted_per_round=accepted, elapsed_s=elapsed,
             tokens_per_second=self.generated / elapsed if elapsed > 0 else 0.0,

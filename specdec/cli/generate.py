@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids, e.g. 1,2,3")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run both models in this process")
-    where.add_argument("--coordinator", metavar="HOST:PORT", help="ask a running coordinator")
+    where.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="ask a running coordinator (several, comma-separated: the next when one fails)")
     p.add_argument("--target", default=None, help="target model directory (--local; default: bundled)")
     p.add_argument("--draft", default=None,
                    help="draft model directory (--local; default: bundled, 'none' = target only)")

@@ -17,13 +17,24 @@ and leaving the loop early cancels the request, which frees the session's state
 in both model services. Failed calls raise the typed errors of
 :mod:`specdec.serving.errors` (``InvalidRequest`` is a ``ValueError``; every error has
 ``.code``, the gRPC status).
+
+Given several coordinators (``specdec.Client(["c1:50051", "c2:50051"])``, which
+share a ``--redis`` session directory), a stream that breaks with UNAVAILABLE
+(its coordinator died or is draining) goes on through the next coordinator:
+a named session's turn is resumed after the last delta received, so the loop
+sees each token once; a one-shot request is sent again only if none of it had
+arrived. It keeps trying for ``failover_s`` seconds (default 30 with several
+coordinators; 0, no retry, with one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
-from collections.abc import Iterable, Iterator
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 
@@ -34,6 +45,8 @@ from specdec.serving import convert, errors
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 
 DEFAULT_ADDRESS = "localhost:50051"
+
+log = logging.getLogger("specdec.client")
 
 
 # The final event of a stream (the coordinator fills the same dataclass).
@@ -50,19 +63,39 @@ class Completion:
 class Client:
     """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = 64 << 20):
-        self.address = address
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = 64 << 20, failover_s: float | None = None):
+        # One address, several, or several in one string: "c1:50051,c2:50051".
+        parts = address.split(",") if isinstance(address, str) else list(address)
+        self.addresses = [a.strip() for a in parts if a.strip()]
+        if not self.addresses:
+            raise ValueError("give at least one coordinator address")
         self.timeout = timeout  # default deadline of every call (None: none)
-        self.channel = grpc.insecure_channel(address, options=[
+        # Going on through another coordinator needs another; alone, errors are raised at once.
+        self.failover_s = failover_s if failover_s is not None else 30.0 if len(self.addresses) > 1 else 0.0
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # reconnect within a second or two to a coordinator that was not up yet
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
-        ])
-        self._stub = pb_grpc.CoordinatorStub(self.channel)
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._current = 0  # the coordinator calls go to, until it fails
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        return self._stubs[self._current]
 
     def generate(
         self,
@@ -98,15 +131,40 @@ class Client:
                               session_id=session_id, draft_top_k=draft_top_k)
         except ValueError as e:  # the sampling settings
             raise errors.InvalidRequest(f"sampling: {e}") from None
-        call = self._stub.Generate(convert.generate_request(job),
-                                   timeout=timeout if timeout is not None else self.timeout)
-        try:
-            for message in call:
-                yield convert.event_from_proto(message)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
-        finally:
-            call.cancel()  # no-op when the stream is complete; frees the session otherwise
+        if session_id:  # named, so that a broken stream can resume it
+            job = dataclasses.replace(job, turn_id=uuid.uuid4().hex)
+        yield from self._stream(job, timeout if timeout is not None else self.timeout)
+
+    def _stream(self, job: GenerateJob, timeout: float | None) -> Iterator[Delta | Stats]:
+        """One turn's events, through the next coordinator when one fails (see the module docstring)."""
+        received, give_up_at = 0, None  # deltas received
+        while True:
+            call = self._stub.Generate(convert.generate_request(job), timeout=timeout)
+            try:
+                for message in call:
+                    event = convert.event_from_proto(message)
+                    received += isinstance(event, Delta)
+                    yield event
+                return
+            except grpc.RpcError as e:
+                give_up_at = give_up_at or time.monotonic() + self.failover_s
+                if not self._fail_over(e, job, received, give_up_at):
+                    raise errors.from_rpc_error(e) from None
+                if job.session_id:
+                    job = dataclasses.replace(job, resume_after=received)
+            finally:
+                call.cancel()  # no-op when the stream is complete; frees the session otherwise
+
+    def _fail_over(self, e: grpc.RpcError, job: GenerateJob, received: int, give_up_at: float) -> bool:
+        """Whether to go on through the next coordinator (switched to, after a pause)."""
+        resumable = bool(job.session_id) or received == 0
+        if e.code() != grpc.StatusCode.UNAVAILABLE or not resumable or time.monotonic() >= give_up_at:
+            return False
+        log.warning("coordinator %s: %s; going on through %s after %d deltas", self.address, e.details(),
+                    self.addresses[(self._current + 1) % len(self.addresses)], received)
+        self._current = (self._current + 1) % len(self.addresses)
+        time.sleep(0.2 if len(self.addresses) > 1 else 0.5)
+        return True
 
     def complete(self, prompt: str | None = None, **kwargs) -> Completion:
         """:meth:`generate`, collected: the whole text, ids and stats."""
@@ -150,7 +208,8 @@ class Client:
             time.sleep(0.1)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self

@@ -183,6 +183,17 @@ class CoordinatorConfig(BaseServiceConfig):
         10.0, gt=0, description="deadline of GetModelInfo/EndSession calls",
         json_schema_extra={"flag": "--info-timeout", "metavar": "SECONDS"})
     max_workers: int = Field(64, gt=0, description="threads running round loops (concurrent Generate streams)")
+    redis: str = Field(
+        "", description="keep the session directory in Redis (redis://HOST:PORT/DB, rediss:// for TLS, "
+        "unix://PATH), shared by every coordinator given the same URL; empty: in this process's memory",
+        json_schema_extra={"metavar": "URL"})
+    redis_ttl_s: float = Field(
+        86400.0, gt=0, description="with --redis: a session idle this long is forgotten there (each turn "
+        "restarts the clock)", json_schema_extra={"flag": "--redis-ttl", "metavar": "SECONDS"})
+    lease_s: float = Field(
+        5.0, gt=0, description="with --redis: how long a session stays leased to a coordinator that stopped "
+        "renewing it (died); a resumed turn waits up to this long to take the session over",
+        json_schema_extra={"flag": "--lease", "metavar": "SECONDS"})
 
     @field_validator("draft", "target")
     @classmethod
@@ -191,6 +202,13 @@ class CoordinatorConfig(BaseServiceConfig):
         if re.fullmatch(r"\S+:\d{1,5}", value) or re.fullmatch(r"[a-z][a-z0-9+.-]*:\S+", value):
             return value
         raise ValueError("must be HOST:PORT or a gRPC target such as unix:PATH")
+
+    @field_validator("redis")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
 
     @field_validator("default_gamma_policy")
     @classmethod

@@ -238,11 +238,12 @@ def verify_request(
 
 
 def generate_request(job: GenerateJob) -> pb.GenerateRequest:
-    """``draft_top_k`` None leaves the optional field unset (the coordinator's default)."""
+    """``draft_top_k`` / ``resume_after`` None leave the optional field unset."""
     return pb.GenerateRequest(
         session_id=job.session_id, prompt=job.prompt, prompt_ids=list(job.prompt_ids),
         max_new_tokens=job.max_new_tokens, sampling=sampling_to_proto(job.sampling), gamma_policy=job.gamma_policy,
-        stop=list(job.stop), draft_top_k=job.draft_top_k)
+        stop=list(job.stop), draft_top_k=job.draft_top_k, turn_id=job.turn_id,
+        resume_after=job.resume_after)
 
 
 def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
@@ -255,6 +256,8 @@ def job_from_proto(request: pb.GenerateRequest) -> GenerateJob:
         stop=tuple(request.stop),
         session_id=request.session_id,
         draft_top_k=request.draft_top_k if request.HasField("draft_top_k") else None,
+        turn_id=request.turn_id,
+        resume_after=request.resume_after if request.HasField("resume_after") else None,
     )
 
 

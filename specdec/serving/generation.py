@@ -23,6 +23,10 @@ class GenerateJob:
     stop: tuple[str, ...] = ()
     session_id: str = ""  # "" = one-shot
     draft_top_k: int | None = None  # None: the coordinator's default; 0: dense q
+    turn_id: str = ""  # names the turn, so that it can be resumed
+    # Resume turn ``turn_id`` after the first N of its deltas (the ones the
+    # client received); None: a new turn.
+    resume_after: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,11 +106,14 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
     lock, records = threading.Lock(), []
     sent = iter(range(requests))
     bar = tqdm(total=requests, unit="req", disable=not progress, file=sys.stderr)
-    with Client(address, timeout=600) as client:
-        start = time.perf_counter()
-        deadline = start + duration_s if duration_s else float("inf")
+    addresses = address.split(",")
+    start = time.perf_counter()
+    deadline = start + duration_s if duration_s else float("inf")
 
-        def worker():
+    def worker(n: int):
+        # Each session starts at another coordinator (when given several), going
+        # on through the next if its own fails.
+        with Client(addresses[n % len(addresses):] + addresses[:n % len(addresses)], timeout=600) as client:
             while time.perf_counter() < deadline:
                 with lock:
                     i = next(sent, None)
@@ -121,12 +124,12 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
                     records.append(record)
                     bar.update()
 
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(sessions)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
     bar.close()
     return summarise(records, sessions, wall)
 
@@ -158,8 +161,9 @@ def held_out_prompts(n: int, prompt_tokens: int = 128, new_tokens: int = 96) -> 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coordinator", default="localhost:50051", metavar="HOST:PORT",
-                   help="coordinator address (default localhost:50051)")
+    p.add_argument("--coordinator", default="localhost:50051", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="coordinator address (default localhost:50051); several, comma-separated: each "
+                   "session goes on through the next when its stream breaks (they share --redis)")
     p.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
                    help=f"concurrent streaming sessions (default {DEFAULT_SESSIONS})")
     p.add_argument("--requests", type=int, default=None, help="requests in all (default 4 per session)")

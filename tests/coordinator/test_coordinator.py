@@ -311,8 +311,9 @@ def test_cancelling_ends_the_session_in_both_services(fakes):
     assert named("c", draft.sessions) and named("c", target.sessions)
     steps.close()  # the client left before the second round's delta was sent
     assert named("c", draft.ended) and named("c", target.ended)
-    # A new session whose first turn did not finish is not kept.
-    assert engine.directory.get("c") is None
+    # The session has no history yet; its unfinished first turn is kept, resumable.
+    record = engine.directory.get("c")
+    assert record.tokens == [] and not record.turn.finished and len(record.turn.deltas) == 2
 
 
 def test_a_turn_that_does_not_finish_leaves_the_history_as_before_it(fakes):
@@ -683,3 +684,96 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_pat
         tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path)))
     with pytest.raises(ValueError, match="not a directory"):
         tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path / "nope")))
+
+
+# ------------------------------------------------------------------ resuming a turn
+
+
+def take(steps, n: int) -> list[Delta]:
+    """The first ``n`` deltas of a stream, then the stream dropped (the client's connection broke)."""
+    got = [next(steps) for _ in range(n)]
+    steps.close()
+    return got
+
+
+def test_a_cut_turn_resumes_after_the_last_delta_received_each_token_once(fakes, tokenizer):
+    draft, target, make = fakes
+    engine = make(tokenizer)
+    job = dict(prompt="hel", max_new_tokens=30, session_id="r", gamma_policy="static:2", stop=("ld,",),
+               turn_id="t1")
+    got = take(engine.generate(GenerateJob(**job)), 3)
+    # The client received 2 of the 3 deltas (the third was lost in the broken stream).
+    ids, text, stats = run(engine, **job, resume_after=2)
+    streamed = [t for d in got[:2] for t in d.token_ids] + ids
+    assert streamed == expected_tokens(3, len(streamed))
+    assert "".join(d.text for d in got[:2]) + text == "lo wor"  # cut before the stop string
+    assert stats.finish_reason == "stop" and stats.generated_tokens == len(streamed)
+    assert stats.prompt_tokens == 3 and stats.history_tokens == 0
+    # The session goes on from the resumed turn, as if it had not been cut.
+    assert engine.directory.get("r").tokens == list(b"hel") + streamed
+    more, _, _ = run(engine, prompt_ids=(33,), max_new_tokens=3, session_id="r")
+    assert more == expected_tokens(3 + len(streamed) + 1, 3)
+
+
+def test_resuming_a_finished_turn_replays_what_the_client_missed(fakes):
+    _, _, make = fakes
+    engine = make()
+    run(engine, prompt_ids=(104,), max_new_tokens=3, session_id="f")
+    job = dict(prompt_ids=(105,), max_new_tokens=9, session_id="f", gamma_policy="static:2", turn_id="t2")
+    events = list(engine.generate(GenerateJob(**job)))
+    deltas, stats = events[:-1], events[-1]
+    ids, _, again = run(engine, **job, resume_after=1)
+    assert ids == [t for d in deltas[1:] for t in d.token_ids]
+    assert again.finish_reason == stats.finish_reason and again.generated_tokens == 9 and again.rounds == 0
+    assert again.history_tokens == stats.history_tokens == 4
+    ids, _, _ = run(engine, **job, resume_after=len(deltas))
+    assert ids == []
+    assert len(engine.directory.get("f").tokens) == 4 + 1 + 9  # nothing generated twice
+
+
+def test_a_new_turn_drops_an_unfinished_one(fakes):
+    _, _, make = fakes
+    engine = make()
+    turn1, _, _ = run(engine, prompt_ids=(104,), max_new_tokens=4, session_id="d")
+    job = dict(prompt_ids=(33,), max_new_tokens=50, session_id="d", gamma_policy="static:2", turn_id="cut")
+    take(engine.generate(GenerateJob(**job)), 2)
+    ids, _, stats = run(engine, prompt_ids=(34,), max_new_tokens=3, session_id="d")
+    assert stats.history_tokens == 5 and ids == expected_tokens(6, 3)
+    with pytest.raises(errors.FailedPrecondition, match="not in the session directory"):
+        run(engine, **job, resume_after=1)  # another turn followed it
+
+
+def test_a_turn_never_recorded_starts_afresh_when_nothing_was_streamed(fakes):
+    _, _, make = fakes
+    engine = make()
+    ids, _, stats = run(engine, prompt_ids=(104,), max_new_tokens=4, session_id="n", turn_id="a",
+                        resume_after=0)
+    assert ids == expected_tokens(1, 4) and stats.history_tokens == 0
+    with pytest.raises(errors.InvalidRequest, match="has streamed only"):
+        run(engine, prompt_ids=(104,), max_new_tokens=4, session_id="n", turn_id="a", resume_after=9)
+
+
+@pytest.mark.parametrize("job", [dict(resume_after=0), dict(resume_after=0, session_id="x"),
+                                 dict(resume_after=0, turn_id="x")])
+def test_resume_requests_name_the_session_and_the_turn(fakes, job):
+    _, _, make = fakes
+    with pytest.raises(errors.InvalidRequest, match="needs the session_id and turn_id"):
+        run(make(), prompt_ids=(1,), max_new_tokens=2, **job)
+
+
+def test_a_turn_cut_after_its_last_delta_ends_without_repeating_it(fakes, tokenizer):
+    """The coordinator died between streaming a turn's held-back tail (text of
+    a possible stop string, released at the end) and recording the end."""
+    _, _, make = fakes
+    engine = make(tokenizer)
+    job = dict(prompt="hel", max_new_tokens=8, session_id="tail", stop=("world!",), turn_id="t",
+               gamma_policy="static:2")
+    events = list(engine.generate(GenerateJob(**job)))
+    deltas = events[:-1]
+    assert deltas[-1].token_ids == [] and deltas[-1].text.endswith("world")  # the tail
+    record = engine.directory.get("tail")
+    record.turn.finish_reason, record.tokens = "", []  # as the dead coordinator left it
+    engine.directory.put(record)
+    ids, text, stats = run(engine, **job, resume_after=len(deltas))
+    assert ids == [] and text == "" and stats.finish_reason == "length" and stats.generated_tokens == 8
+    assert engine.directory.get("tail").tokens == list(b"hel") + expected_tokens(3, 8)

@@ -159,7 +159,7 @@ def test_client_names_a_field_out_of_range_before_calling():
             return Call()
 
     with Client("127.0.0.1:1") as client:
-        client._stub = Stub()
+        client._stubs[0] = Stub()
         list(client.generate(prompt_ids=iter([5, 6, 7])))  # an iterator is read once
     assert request["ids"] == [5, 6, 7]
 

@@ -1,0 +1,259 @@
+"""The session directory in Redis, shared by coordinator replicas (``--redis URL``).
+
+Keys, per session, all with the SHA-256 of the session id (never the id the
+client gave) inside one hash tag, so that a Redis Cluster keeps them in one slot
+and a script may touch them together::
+
+    specdec:{<sha256>}:session   the record's session part (JSON)
+    specdec:{<sha256>}:turn      its last turn (JSON), rewritten after each round
+    specdec:{<sha256>}:lease     the fencing token of the request driving it
+    specdec:{<sha256>}:fence     the last token handed out (INCR)
+
+Every key has a sliding idle TTL (``--session-ttl``), refreshed by each write.
+
+**The lease.** A request takes the session's lease with one script — the lease
+key set only if absent (SET NX PX) to a token one higher than any before
+(INCR) — renews it every third of the lease time while it runs, and deletes it
+at the end. Every write is a script that first checks the lease key still holds
+the writer's token: a coordinator that stalled past its lease while another took
+over finds another token there and writes nothing (a fencing token). A
+coordinator that dies holds its sessions for at most the lease time.
+
+The coordinator's round loop is synchronous (it runs on worker threads); this
+module runs redis-py's asyncio client on an event loop of its own, on a
+daemon thread, and waits for each command there with a short deadline, so an
+unreachable Redis fails a request within about a second with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from coordinator.directory import Lease, SessionRecord
+from coordinator.leases import SessionLeases
+from specdec.serving import errors
+
+log = logging.getLogger("specdec.coordinator")
+
+KEY_PREFIX = "specdec:"
+
+# KEYS: lease, fence. ARGV: lease ms, idle TTL ms. -> the new token, or 0 if leased.
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local token = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
+return token
+"""
+# KEYS: lease. ARGV: token, lease ms. -> 1 if still ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+# KEYS: lease. ARGV: token.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# KEYS: lease, session, turn. ARGV: token, idle TTL ms, session JSON ('' = keep,
+# only refresh its TTL), turn JSON ('' = keep, '-' = delete). -> 1, or 0 if the
+# lease is not the writer's.
+_WRITE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+else redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+if ARGV[4] == '-' then redis.call('DEL', KEYS[3])
+elseif ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2])
+else redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
+return 1
+"""
+# KEYS: lease, session, turn. ARGV: token. -> keys deleted, or -1 if the lease is not ours.
+_DELETE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+return redis.call('DEL', KEYS[2], KEYS[3])
+"""
+
+
+def session_keys(session_id: str) -> dict[str, str]:
+    digest = hashlib.sha256(session_id.encode()).hexdigest()
+    return {part: f"{KEY_PREFIX}{{{digest}}}:{part}" for part in ("session", "turn", "lease", "fence")}
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" if parts.username else f"***@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisDirectory:
+    def __init__(self, url: str, *, ttl_s: float, lease_s: float = 5.0, lease_wait_s: float = 2.0,
+                 timeout_s: float = 1.0):
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis {redacted(url)}: give a redis://, rediss:// or unix:// URL")
+        self.where = redacted(url)
+        self.ttl_ms = int(ttl_s * 1000)
+        self.lease_ms = int(lease_s * 1000)
+        self.lease_wait_s, self.timeout_s = lease_wait_s, timeout_s
+        self._local = SessionLeases()  # one request per session in this process, as in memory
+        self._held: dict[int, tuple[str, Lease]] = {}  # id(lease) -> (lease key, lease), renewed in the background
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="redis-directory", daemon=True)
+        self._thread.start()
+        # One quick retry: the first command after Redis restarted finds the
+        # pooled connection dead and reconnects; a Redis that stays down fails fast.
+        self._redis = redis.asyncio.from_url(url, socket_timeout=timeout_s / 2, socket_connect_timeout=timeout_s / 2,
+                                             retry=Retry(NoBackoff(), 1), decode_responses=True)
+        self._scripts = {name: self._redis.register_script(lua) for name, lua in
+                         (("acquire", _ACQUIRE), ("renew", _RENEW), ("release", _RELEASE), ("write", _WRITE),
+                          ("delete", _DELETE))}
+        self._keeper = asyncio.run_coroutine_threadsafe(self._keep_leases(), self._loop)
+
+    # ------------------------------------------------------------------ records
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        keys = session_keys(session_id)
+        session, turn = self._call("read the session", self._redis.mget(keys["session"], keys["turn"]))
+        if session is None:
+            return None
+        return SessionRecord.from_dicts(json.loads(session), json.loads(turn) if turn else None)
+
+    def put(self, record: SessionRecord, lease: Lease | None) -> None:
+        record.updated_at = time.time()
+        turn = record.turn_dict()
+        self._write(record.session_id, lease, _json(record.session_dict()), "-" if turn is None else _json(turn))
+
+    def put_turn(self, record: SessionRecord, lease: Lease | None) -> None:
+        turn = record.turn_dict()
+        self._write(record.session_id, lease, "", "-" if turn is None else _json(turn))
+
+    def delete(self, session_id: str, lease: Lease | None) -> bool:
+        keys = session_keys(session_id)
+        deleted = self._call("delete the session", self._scripts["delete"](
+            keys=[keys["lease"], keys["session"], keys["turn"]], args=[_token(lease)]))
+        if deleted < 0:
+            raise _lost(session_id)
+        return deleted > 0
+
+    def _write(self, session_id: str, lease: Lease | None, session: str, turn: str) -> None:
+        keys = session_keys(session_id)
+        written = self._call("write the session", self._scripts["write"](
+            keys=[keys["lease"], keys["session"], keys["turn"]], args=[_token(lease), self.ttl_ms, session, turn]))
+        if not written:
+            raise _lost(session_id)
+
+    # ------------------------------------------------------------------ leases
+
+    @contextlib.contextmanager
+    def hold(self, session_id: str, cancelled: threading.Event | None = None,
+             wait_s: float | None = None) -> Iterator[Lease | None]:
+        with self._local.hold(session_id, cancelled) as held:
+            if not held or not session_id:  # cancelled first; or one-shot: nothing stored
+                yield Lease(session_id) if held else None
+                return
+            lease = self._acquire(session_id, self.lease_wait_s if wait_s is None else wait_s, cancelled)
+            self._held[id(lease)] = (session_keys(session_id)["lease"], lease)
+            try:
+                yield lease
+            finally:
+                del self._held[id(lease)]
+                self._release(lease)
+
+    def _acquire(self, session_id: str, wait_s: float, cancelled: threading.Event | None) -> Lease:
+        keys = session_keys(session_id)
+        deadline = time.monotonic() + wait_s
+        while True:
+            token = self._call("lease the session", self._scripts["acquire"](
+                keys=[keys["lease"], keys["fence"]], args=[self.lease_ms, self.ttl_ms]))
+            if token:
+                return Lease(session_id, int(token))
+            if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
+                raise errors.FailedPrecondition(
+                    f"session {session_id!r} is busy on another coordinator (a request there holds it); "
+                    f"send this one when that request has ended")
+            time.sleep(0.05)
+
+    def _release(self, lease: Lease) -> None:
+        try:
+            self._call("release the session", self._scripts["release"](
+                keys=[session_keys(lease.session_id)["lease"]], args=[lease.token]))
+        except errors.Unavailable as e:  # it expires by itself
+            log.warning("could not release the lease of a session: %s", e)
+
+    async def _keep_leases(self) -> None:
+        """Renew every held lease each third of the lease time."""
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            for key, lease in list(self._held.values()):
+                try:
+                    if not await self._scripts["renew"](keys=[key], args=[lease.token, self.lease_ms]):
+                        log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
+                                    "its writes will be refused", self.lease_ms / 1000)
+                except (redis.exceptions.RedisError, OSError) as e:
+                    log.warning("renewing a session's lease failed: %s", e)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def check(self) -> None:
+        self._call("reach it", self._redis.ping())
+
+    def _call(self, what: str, coroutine):
+        if self._closed:
+            coroutine.close()
+            raise errors.Unavailable(f"the session directory (Redis at {self.where}) is closed: the coordinator "
+                                     "is shutting down")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise errors.Unavailable(f"the session directory (Redis at {self.where}) did not answer within "
+                                     f"{self.timeout_s:g} s when asked to {what}") from None
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise errors.Unavailable(f"the session directory (Redis at {self.where}) could not {what}: "
+                                     f"{e}") from None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._keeper.cancel()
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._redis.aclose(), self._loop).result(timeout=self.timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=self.timeout_s)
+
+
+def _json(value: dict) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _token(lease: Lease | None) -> str:
+    if lease is None or not lease.token:
+        raise errors.FailedPrecondition("a write to the shared session directory without the session's lease")
+    return str(lease.token)
+
+
+def _lost(session_id: str) -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(
+        f"session {session_id!r}: this coordinator lost the session's lease (it stalled past the lease time) "
+        "and another coordinator drives it now; nothing was written")

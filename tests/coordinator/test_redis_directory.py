@@ -1,0 +1,104 @@
+"""The Redis session directory against a real redis-server: records, hashed
+keys, the sliding TTL, the lease with its fencing token, and an outage."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from redis_server import RedisServer
+
+from coordinator.directory import Lease, SessionRecord, TurnRecord
+from coordinator.redis_directory import RedisDirectory, redacted, session_keys
+from specdec.serving import errors
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def directories(server):
+    made = [RedisDirectory(server.url, ttl_s=60, lease_s=0.6, lease_wait_s=0.3) for _ in range(2)]
+    yield made
+    for d in made:
+        d.close()
+
+
+def record(tokens=(1, 2, 3), session_id="chat\n1") -> SessionRecord:
+    r = SessionRecord(session_id, tokens=list(tokens), service_session_id="chat~x")
+    r.turn = TurnRecord(1, [5], 10, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 7},
+                        deltas=[[[7], "a"]], turn_id="t")
+    return r
+
+
+def test_records_round_trip_under_hashed_keys_with_a_ttl(server, directories):
+    d, _ = directories
+    with d.hold("chat\n1") as lease:
+        d.put(record(), lease)
+        got = d.get("chat\n1")
+        assert got.tokens == [1, 2, 3] and got.turn.generated == [7] and got.turn.turn_id == "t"
+        got.turn.deltas.append([[8, 9], "bc"])
+        d.put_turn(got, lease)
+    assert d.get("chat\n1").turn.generated == [7, 8, 9] and d.get("chat\n1").tokens == [1, 2, 3]
+    raw = redis.Redis.from_url(server.url)
+    keys = {k.decode() for k in raw.keys("*")}
+    assert keys == {session_keys("chat\n1")["session"], session_keys("chat\n1")["turn"],
+                    session_keys("chat\n1")["fence"]}  # the lease is gone with the request
+    assert all("chat" not in k for k in keys)  # no client-given id in Redis
+    assert 50_000 < raw.pttl(session_keys("chat\n1")["session"]) <= 60_000
+
+
+def test_the_lease_is_exclusive_renewed_while_held_and_fences_writes(directories):
+    a, b = directories
+    with a.hold("s") as lease:
+        a.put(record(session_id="s"), lease)
+        time.sleep(1.0)  # past the 0.6 s lease: renewed in the background
+        with pytest.raises(errors.FailedPrecondition, match="busy on another coordinator"):
+            with b.hold("s"):
+                pass
+        with pytest.raises(errors.FailedPrecondition, match="lost the session's lease"):
+            b.put(record(session_id="s"), Lease("s", lease.token + 1))  # a token that is not the holder's
+    with b.hold("s") as newer:
+        assert newer.token > lease.token
+        with pytest.raises(errors.FailedPrecondition, match="lost the session's lease"):
+            a.put(record([9], "s"), lease)  # the old holder, back from a stall: refused
+        b.delete("s", newer)
+    assert b.get("s") is None
+
+
+def test_a_dead_holder_frees_the_session_after_the_lease_time(server, directories):
+    _, b = directories
+    dead = RedisDirectory(server.url, ttl_s=60, lease_s=0.6)
+    holding = dead.hold("s")
+    holding.__enter__()
+    dead._keeper.cancel()  # it stops renewing: as if the process died
+    started = time.monotonic()
+    with b.hold("s", wait_s=3.0) as lease:
+        assert lease.token == 2 and time.monotonic() - started < 1.5
+    dead.close()
+
+
+def test_an_outage_is_a_fast_unavailable_and_recovers(server, directories):
+    d, _ = directories
+    server.stop()
+    started = time.monotonic()
+    for call in (lambda: d.get("s"), d.check):
+        with pytest.raises(errors.Unavailable, match="session directory"):
+            call()
+    assert time.monotonic() - started < 2.5
+    server.start()
+    d.check()
+    assert d.get("s") is None
+
+
+def test_urls_are_checked_and_passwords_kept_out_of_messages():
+    with pytest.raises(ValueError, match="redis://"):
+        RedisDirectory("http://localhost:6379", ttl_s=1)
+    assert redacted("redis://user:secret@host:6380/0") == "redis://user:***@host:6380/0"
+    assert redacted("rediss://:secret@host/0") == "rediss://***@host/0"
+    assert redacted("unix:///tmp/redis.sock") == "unix:///tmp/redis.sock"

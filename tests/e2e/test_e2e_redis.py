@@ -1,0 +1,182 @@
+"""Coordinator replicas sharing a session directory in a real redis-server
+(started here; never skipped): sessions continue across coordinators, the lease
+keeps two off one session, a coordinator killed mid-stream is resumed through
+another with each token once, and a Redis outage is a fast UNAVAILABLE and a
+NOT_SERVING health until it is back."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis_server import RedisServer
+from test_e2e import coordinator, model_service
+
+from coordinator.redis_directory import RedisDirectory
+from specdec import SpeculativeDecoder
+from specdec.serving import errors
+from specdec.serving.client import Client, Delta
+
+from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
+
+LEASE = ("--lease", "1")  # a killed coordinator's sessions are free again after 1 s
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("redis-models")
+    target = make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=1024, seed=0, logit_scale=4.0)
+    add_byte_tokenizer(target)
+    draft = make_noisy_copy(target, root / "draft", noise=0.05, seed=1)
+    add_byte_tokenizer(draft)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory):
+    """Redis, one draft, one target, and coordinators A and B sharing the directory."""
+    target, draft = models
+    logdir = tmp_path_factory.mktemp("redis-logs")
+    redis = RedisServer(logdir / "redis").start()
+    procs = {}
+    try:
+        procs["D"] = model_service("draft", "draft", draft, logdir)
+        procs["T"] = model_service("target", "target", target, logdir)
+        for name in ("A", "B"):
+            procs[name] = coordinator(f"coordinator-{name}", procs["D"], procs["T"], target, logdir,
+                                      "--redis", redis.url, *LEASE)
+        for p in procs.values():
+            p.wait_serving()
+        yield procs, redis, logdir
+    finally:
+        for p in procs.values():
+            p.stop()
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return SpeculativeDecoder(target=models[0])
+
+
+def greedy(reference, ids, n):
+    return reference.generate(list(ids), max_new_tokens=n, gamma=0).token_ids
+
+
+def prompt(reference, text="def fibonacci(n):"):
+    return reference.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_two_coordinators_continue_each_others_sessions(stack, reference):
+    procs, _, _ = stack
+    p1, p2 = prompt(reference), prompt(reference, "\n    return")
+    with Client(procs["A"].address, timeout=60) as a, Client(procs["B"].address, timeout=60) as b:
+        t1 = a.complete(prompt_ids=p1, max_new_tokens=16, session_id="shared", gamma_policy="static:3")
+        t2 = b.complete(prompt_ids=p2, max_new_tokens=16, session_id="shared", gamma_policy="static:3")
+        assert t2.stats.history_tokens == len(p1) + 16
+        assert t2.token_ids == greedy(reference, p1 + t1.token_ids + p2, 16)
+        assert a.close_session("shared") is True
+        with pytest.raises(errors.SessionNotFound):
+            b.close_session("shared")
+
+
+def test_the_lease_keeps_a_second_coordinator_off_a_session(stack, reference):
+    """Another coordinator (here: the test, through the same directory code)
+    holds the session's lease: B waits briefly, then refuses, saying why."""
+    procs, redis, _ = stack
+    other = RedisDirectory(redis.url, ttl_s=60, lease_s=1.0)
+    try:
+        with Client(procs["B"].address, timeout=60) as b, other.hold("leased"):
+            started = time.monotonic()
+            with pytest.raises(errors.FailedPrecondition, match="busy on another coordinator"):
+                b.complete(prompt_ids=[40], max_new_tokens=4, session_id="leased")
+            assert time.monotonic() - started < 5  # it waits briefly, not a call deadline
+        with Client(procs["B"].address, timeout=60) as b:  # released: B takes it
+            assert len(b.complete(prompt_ids=[40], max_new_tokens=4, session_id="leased").token_ids) == 4
+    finally:
+        other.close()
+
+
+def test_a_coordinator_killed_mid_stream_is_resumed_through_another(stack, models, reference):
+    procs, redis, logdir = stack
+    target, _ = models
+    doomed = coordinator("coordinator-killed", procs["D"], procs["T"], target, logdir, "--redis", redis.url, *LEASE)
+    try:
+        doomed.wait_serving()
+        ids = prompt(reference)
+        expected = greedy(reference, ids, 200)
+        got, deltas = [], 0
+        with Client([doomed.address, procs["B"].address], timeout=60) as client:
+            for event in client.generate(prompt_ids=ids, max_new_tokens=200, session_id="survivor",
+                                         gamma_policy="static:2"):
+                if isinstance(event, Delta):
+                    got += event.token_ids
+                    deltas += 1
+                    if deltas == 3:
+                        doomed.proc.send_signal(signal.SIGKILL)
+                else:
+                    stats = event
+            assert client.address == procs["B"].address  # the turn ended through B
+        assert doomed.proc.wait(10) == -signal.SIGKILL
+        assert got == expected  # no token lost or repeated
+        assert stats.generated_tokens == 200 and stats.finish_reason == "length"
+    finally:
+        doomed.stop()
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_redis_down_is_a_fast_unavailable_then_service_resumes(stack, reference):
+    procs, redis, _ = stack
+    address = procs["A"].address
+    with Client(address, timeout=60) as client:
+        client.complete(prompt_ids=[40, 41], max_new_tokens=4, session_id="outage")
+        redis.stop()
+        try:
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="session directory"):
+                client.complete(prompt_ids=[42], max_new_tokens=4, session_id="outage")
+            assert time.monotonic() - started < 3
+            wait_for(lambda: health(address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            # One-shot requests need no directory: they still work.
+            assert len(client.complete(prompt_ids=[40], max_new_tokens=3).token_ids) == 3
+        finally:
+            redis.start()  # empty: it forgot every session
+        wait_for(lambda: health(address) == health_pb2.HealthCheckResponse.SERVING)
+        out = client.complete(prompt_ids=[42], max_new_tokens=4, session_id="outage")
+        assert out.stats.history_tokens == 0  # a fresh session, and it says so
+
+
+def test_concurrent_sessions_over_two_coordinators(stack, reference):
+    procs, _, _ = stack
+    ids = prompt(reference)
+    expected = greedy(reference, ids, 24)
+    failures = []
+
+    def one(i: int) -> None:
+        address = procs["A" if i % 2 else "B"].address
+        with Client(address, timeout=60) as c:
+            out = c.complete(prompt_ids=ids, max_new_tokens=24, session_id=f"many-{i}", gamma_policy="static:2")
+            if out.token_ids != expected:
+                failures.append(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures
