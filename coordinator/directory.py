@@ -6,12 +6,12 @@ conversation (sampling parameters, how far each side is known to be in sync).
 Because the history is here, a service that evicted a session costs a re-pre-fill,
 never a different output.
 
-Each record has two parts, written separately: the session (its committed
-history, written when a turn starts and when it ends) and its last turn (the
-deltas streamed so far, written after every round and *before* the round's delta
-is streamed). So a turn cut short — the client's connection dropped, or this
-coordinator died — can be resumed, by any coordinator sharing the directory,
-from exactly the delta the client got last.
+Each record has two parts: the session (its committed history, written when a
+turn starts and when it ends) and its last turn (the deltas streamed so far,
+each appended after its round and *before* it is streamed). So a turn cut
+short — the client's connection dropped, or this coordinator died — can be
+resumed, by any coordinator sharing the directory, from exactly the delta the
+client got last.
 
 Two directories implement :class:`SessionDirectory`: :class:`InMemoryDirectory`
 (one coordinator, nothing to install) and
@@ -111,11 +111,13 @@ class SessionDirectory(Protocol):
     def get(self, session_id: str) -> SessionRecord | None:
         """The stored record (with its last turn), or None for an unknown (or closed) session."""
 
-    def put(self, record: SessionRecord, lease: Lease | None) -> None:
-        """Create or replace the record, its last turn included."""
+    def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
+        """Create or replace the record, its last turn included (``keep_deltas``:
+        but not the turn's deltas, which are stored already, all of them)."""
 
-    def put_turn(self, record: SessionRecord, lease: Lease | None) -> None:
-        """Replace only the record's last turn (after each round)."""
+    def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
+        """Append the last of ``record.turn.deltas`` to the stored turn (after
+        each round: one delta written, not the whole turn)."""
 
     def delete(self, session_id: str, lease: Lease | None) -> bool:
         """Forget the session; True if it existed."""
@@ -152,23 +154,35 @@ class InMemoryDirectory:
             parts = self._records.get(session_id)
         return None if parts is None else SessionRecord.from_dicts(*parts)
 
-    def put(self, record: SessionRecord, lease: Lease | None = None) -> None:
+    def put(self, record: SessionRecord, lease: Lease | None = None, keep_deltas: bool = False) -> None:
         record.updated_at = time.time()
+        turn = record.turn
+        if keep_deltas and turn is not None:  # copy all but the deltas
+            record.turn = dataclasses.replace(turn, deltas=[])
+            parts = [record.session_dict(), record.turn_dict()]
+            record.turn = turn
+        else:
+            parts = [record.session_dict(), record.turn_dict()]
         with self._lock:
-            self._records[record.session_id] = [record.session_dict(), record.turn_dict()]
+            if keep_deltas and turn is not None:  # the stored ones, else (forgotten meanwhile) a copy
+                stored = self._records.get(record.session_id, [None, None])[1]
+                parts[1]["deltas"] = stored["deltas"] if stored is not None else _copy(turn.deltas)
+            self._records[record.session_id] = parts
             self._records.move_to_end(record.session_id)
             while len(self._records) > self.max_records:
                 dropped, _ = self._records.popitem(last=False)
                 log.info("session directory full (%d): forgot least recently used session %s",
                          self.max_records, dropped)
 
-    def put_turn(self, record: SessionRecord, lease: Lease | None = None) -> None:
+    def add_delta(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        ids, text = record.turn.deltas[-1]
         with self._lock:
             parts = self._records.get(record.session_id)
-            if parts is not None:
-                parts[1] = record.turn_dict()
-        if parts is None:
-            self.put(record, lease)
+            stored = parts[1] if parts is not None else None
+            if stored is not None and len(stored["deltas"]) == len(record.turn.deltas) - 1:
+                stored["deltas"].append([list(ids), text])
+                return
+        self.put(record, lease)  # forgotten meanwhile (the directory was full), or out of step
 
     def delete(self, session_id: str, lease: Lease | None = None) -> bool:
         with self._lock:

@@ -53,7 +53,7 @@ class Coordinator:
         self.config = config
         self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.tokenizer = tokenizer
-        self.directory: SessionDirectory = directory or make_directory(config)
+        self.directory: SessionDirectory = directory or make_directory(config, metrics)
         timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s, metrics=metrics)
         self.draft = ServiceClient("draft", config.draft, **timeouts)
         self.target = ServiceClient("target", config.target, **timeouts)
@@ -87,6 +87,8 @@ class Coordinator:
             if lease is None:
                 return
             turn = Turn(self.services, self.directory, request, pair, self.tokenizer, lease)
+            if turn.resume_after is not None and self.metrics is not None:
+                self.metrics.turns_resumed.inc()
             with generation_span(_info(request, pair, turn)) as span, \
                     contextlib.closing(turn.run(cancelled, started)) as events:
                 for event in events:
@@ -116,14 +118,14 @@ class Coordinator:
         self.directory.close()
 
 
-def make_directory(config: CoordinatorConfig) -> SessionDirectory:
+def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:
     """``--redis URL``: the directory every coordinator given that URL shares;
     otherwise one in this process's memory."""
     if not config.redis:
         return InMemoryDirectory(config.max_sessions)
     from coordinator.redis_directory import RedisDirectory
 
-    return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s)
+    return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s, metrics=metrics)
 
 
 def _info(request: Request, pair: PairInfo, turn: Turn) -> GenerationInfo:

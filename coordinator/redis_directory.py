@@ -5,7 +5,8 @@ client gave) inside one hash tag, so that a Redis Cluster keeps them in one slot
 and a script may touch them together::
 
     specdec:{<sha256>}:session   the record's session part (JSON)
-    specdec:{<sha256>}:turn      its last turn (JSON), rewritten after each round
+    specdec:{<sha256>}:turn      its last turn (JSON), without its deltas
+    specdec:{<sha256>}:deltas    the turn's deltas (a list: one JSON item appended per round)
     specdec:{<sha256>}:lease     the fencing token of the request driving it
     specdec:{<sha256>}:fence     the last token handed out (INCR)
 
@@ -68,28 +69,38 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-# KEYS: lease, session, turn. ARGV: token, idle TTL ms, session JSON ('' = keep,
-# only refresh its TTL), turn JSON ('' = keep, '-' = delete). -> 1, or 0 if the
-# lease is not the writer's.
+# KEYS: lease, session, turn, deltas. ARGV: token, idle TTL ms, session JSON,
+# turn JSON ('-': no turn), 'keep' (the stored deltas stay) or 'replace', then
+# each delta's JSON. -> 1, or 0 if the lease is not the writer's.
 _WRITE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
-else redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
-if ARGV[4] == '-' then redis.call('DEL', KEYS[3])
-elseif ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2])
-else redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+if ARGV[4] == '-' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2]) end
+if ARGV[4] == '-' or ARGV[5] == 'replace' then redis.call('DEL', KEYS[4]) end
+for i = 6, #ARGV do redis.call('RPUSH', KEYS[4], ARGV[i]) end
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
 return 1
 """
-# KEYS: lease, session, turn. ARGV: token. -> keys deleted, or -1 if the lease is not ours.
+# KEYS: lease, session, turn, deltas. ARGV: token, idle TTL ms, the delta's
+# index, its JSON. -> 1; 0 if the lease is not the writer's; -1 if the stored
+# turn does not have exactly ``index`` deltas (it was rewritten meanwhile).
+_ADD_DELTA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 0 or redis.call('LLEN', KEYS[4]) ~= tonumber(ARGV[3]) then return -1 end
+redis.call('RPUSH', KEYS[4], ARGV[4])
+for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+return 1
+"""
+# KEYS: lease, session, turn, deltas. ARGV: token. -> keys deleted, or -1 if the lease is not ours.
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-return redis.call('DEL', KEYS[2], KEYS[3])
+return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 """
 
 
 def session_keys(session_id: str) -> dict[str, str]:
     digest = hashlib.sha256(session_id.encode()).hexdigest()
-    return {part: f"{KEY_PREFIX}{{{digest}}}:{part}" for part in ("session", "turn", "lease", "fence")}
+    return {part: f"{KEY_PREFIX}{{{digest}}}:{part}" for part in ("session", "turn", "deltas", "lease", "fence")}
 
 
 def redacted(url: str) -> str:
@@ -106,10 +117,11 @@ def redacted(url: str) -> str:
 
 class RedisDirectory:
     def __init__(self, url: str, *, ttl_s: float, lease_s: float = 5.0, lease_wait_s: float = 2.0,
-                 timeout_s: float = 1.0):
+                 timeout_s: float = 1.0, metrics=None):
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--redis {redacted(url)}: give a redis://, rediss:// or unix:// URL")
         self.where = redacted(url)
+        self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.ttl_ms = int(ttl_s * 1000)
         self.lease_ms = int(lease_s * 1000)
         self.lease_wait_s, self.timeout_s = lease_wait_s, timeout_s
@@ -125,41 +137,57 @@ class RedisDirectory:
                                              retry=Retry(NoBackoff(), 1), decode_responses=True)
         self._scripts = {name: self._redis.register_script(lua) for name, lua in
                          (("acquire", _ACQUIRE), ("renew", _RENEW), ("release", _RELEASE), ("write", _WRITE),
-                          ("delete", _DELETE))}
+                          ("add_delta", _ADD_DELTA), ("delete", _DELETE))}
         self._keeper = asyncio.run_coroutine_threadsafe(self._keep_leases(), self._loop)
 
     # ------------------------------------------------------------------ records
 
     def get(self, session_id: str) -> SessionRecord | None:
-        keys = session_keys(session_id)
-        session, turn = self._call("read the session", self._redis.mget(keys["session"], keys["turn"]))
+        session, turn, deltas = self._call("read", self._read(session_keys(session_id)))
         if session is None:
             return None
-        return SessionRecord.from_dicts(json.loads(session), json.loads(turn) if turn else None)
+        turn = json.loads(turn) if turn else None
+        if turn is not None:
+            turn["deltas"] = [json.loads(d) for d in deltas]
+        return SessionRecord.from_dicts(json.loads(session), turn)
 
-    def put(self, record: SessionRecord, lease: Lease | None) -> None:
+    async def _read(self, keys: dict[str, str]) -> tuple:
+        async with self._redis.pipeline(transaction=True) as pipe:  # one consistent view
+            pipe.mget(keys["session"], keys["turn"])
+            pipe.lrange(keys["deltas"], 0, -1)
+            (session, turn), deltas = await pipe.execute()
+        return session, turn, deltas
+
+    def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
         record.updated_at = time.time()
         turn = record.turn_dict()
-        self._write(record.session_id, lease, _json(record.session_dict()), "-" if turn is None else _json(turn))
+        deltas = turn.pop("deltas") if turn is not None else []
+        deltas = ["keep"] if keep_deltas else ["replace", *map(_json, deltas)]
+        written = self._script("write", record.session_id, lease, self.ttl_ms, _json(record.session_dict()),
+                               "-" if turn is None else _json(turn), *deltas)
+        if not written:
+            raise _lost(record.session_id)
 
-    def put_turn(self, record: SessionRecord, lease: Lease | None) -> None:
-        turn = record.turn_dict()
-        self._write(record.session_id, lease, "", "-" if turn is None else _json(turn))
+    def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
+        index = len(record.turn.deltas) - 1
+        added = self._script("add_delta", record.session_id, lease, self.ttl_ms, index,
+                             _json(record.turn.deltas[-1]))
+        if added == 0:
+            raise _lost(record.session_id)
+        if added < 0:  # out of step with what is stored: write the whole record
+            self.put(record, lease)
 
     def delete(self, session_id: str, lease: Lease | None) -> bool:
-        keys = session_keys(session_id)
-        deleted = self._call("delete the session", self._scripts["delete"](
-            keys=[keys["lease"], keys["session"], keys["turn"]], args=[_token(lease)]))
+        deleted = self._script("delete", session_id, lease)
         if deleted < 0:
             raise _lost(session_id)
         return deleted > 0
 
-    def _write(self, session_id: str, lease: Lease | None, session: str, turn: str) -> None:
+    def _script(self, name: str, session_id: str, lease: Lease | None, *args) -> int:
+        """One of the scripts that write, on the session's keys, with the writer's token."""
         keys = session_keys(session_id)
-        written = self._call("write the session", self._scripts["write"](
-            keys=[keys["lease"], keys["session"], keys["turn"]], args=[_token(lease), self.ttl_ms, session, turn]))
-        if not written:
-            raise _lost(session_id)
+        return self._call(name, self._scripts[name](
+            keys=[keys["lease"], keys["session"], keys["turn"], keys["deltas"]], args=[_token(lease), *args]))
 
     # ------------------------------------------------------------------ leases
 
@@ -182,11 +210,13 @@ class RedisDirectory:
         keys = session_keys(session_id)
         deadline = time.monotonic() + wait_s
         while True:
-            token = self._call("lease the session", self._scripts["acquire"](
+            token = self._call("lease", self._scripts["acquire"](
                 keys=[keys["lease"], keys["fence"]], args=[self.lease_ms, self.ttl_ms]))
             if token:
                 return Lease(session_id, int(token))
             if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
+                if self.metrics is not None:
+                    self.metrics.lease_conflicts.inc()
                 raise errors.FailedPrecondition(
                     f"session {session_id!r} is busy on another coordinator (a request there holds it); "
                     f"send this one when that request has ended")
@@ -194,7 +224,7 @@ class RedisDirectory:
 
     def _release(self, lease: Lease) -> None:
         try:
-            self._call("release the session", self._scripts["release"](
+            self._call("release", self._scripts["release"](
                 keys=[session_keys(lease.session_id)["lease"]], args=[lease.token]))
         except errors.Unavailable as e:  # it expires by itself
             log.warning("could not release the lease of a session: %s", e)
@@ -214,23 +244,35 @@ class RedisDirectory:
     # ------------------------------------------------------------------ plumbing
 
     def check(self) -> None:
-        self._call("reach it", self._redis.ping())
+        self._call("ping", self._redis.ping())
 
-    def _call(self, what: str, coroutine):
+    def _call(self, op: str, coroutine):
+        """Run one operation (``op``: a key of _WHAT) on the directory's loop, within the timeout."""
+        what = _WHAT[op]
         if self._closed:
             coroutine.close()
             raise errors.Unavailable(f"the session directory (Redis at {self.where}) is closed: the coordinator "
                                      "is shutting down")
+        started = time.perf_counter()
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            return future.result(timeout=self.timeout_s)
+            result = future.result(timeout=self.timeout_s)
         except TimeoutError:
             future.cancel()
+            self._count_error(op)
             raise errors.Unavailable(f"the session directory (Redis at {self.where}) did not answer within "
                                      f"{self.timeout_s:g} s when asked to {what}") from None
         except (redis.exceptions.RedisError, OSError) as e:
+            self._count_error(op)
             raise errors.Unavailable(f"the session directory (Redis at {self.where}) could not {what}: "
                                      f"{e}") from None
+        if self.metrics is not None:
+            self.metrics.directory.labels(op).observe(time.perf_counter() - started)
+        return result
+
+    def _count_error(self, op: str) -> None:
+        if self.metrics is not None:
+            self.metrics.directory_errors.labels(op).inc()
 
     def close(self) -> None:
         if self._closed:
@@ -243,7 +285,13 @@ class RedisDirectory:
         self._thread.join(timeout=self.timeout_s)
 
 
-def _json(value: dict) -> str:
+# Each operation, as the error messages name it.
+_WHAT = {"read": "read the session", "lease": "lease the session", "release": "release the session",
+         "ping": "reach it", "write": "write the session", "add_delta": "record the session's delta",
+         "delete": "delete the session"}
+
+
+def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 

@@ -189,7 +189,7 @@ class Turn:
         """Record the delta in the session's turn before the client gets it."""
         self.turn.deltas.append([delta.token_ids, delta.text])
         if self.named:
-            self.directory.put_turn(self.record, self.lease)
+            self.directory.add_delta(self.record, self.lease)
         return delta
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
@@ -245,7 +245,7 @@ class Turn:
             record.sampling = dict(self.turn.sampling)
             record.gamma_policy = self.request.gamma_policy
             record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
-            self.directory.put(record, self.lease)
+            self.directory.put(record, self.lease, keep_deltas=True)  # added round by round
         else:
             self._end_in_services(draft=self.drafting)
 

@@ -94,6 +94,17 @@ class CoordinatorMetrics(RpcMetrics):
         self.bytes = Counter("specdec_rpc_bytes", "Serialized protobuf bytes of Propose/Verify, by side and direction.",
                              ["side", "direction"], registry=r)
 
+        self.directory = Histogram(
+            "specdec_directory_seconds", "Time of one session-directory operation (Redis: a round trip).",
+            ["op"], registry=r, buckets=LATENCY_BUCKETS)
+        self.directory_errors = Counter(
+            "specdec_directory_errors", "Session-directory operations that failed (Redis unreachable).", ["op"],
+            registry=r)
+        self.lease_conflicts = Counter(
+            "specdec_lease_conflicts", "Requests refused because another coordinator held the session.", registry=r)
+        self.turns_resumed = Counter(
+            "specdec_turns_resumed", "Turns resumed after their stream broke (resume_after).", registry=r)
+
     def observe_round(self, *, gamma: int, accepted: int, wall_s: float,
                       phases: Mapping[str, float]) -> None:
         self.rounds.inc()

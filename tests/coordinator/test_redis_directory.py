@@ -43,12 +43,18 @@ def test_records_round_trip_under_hashed_keys_with_a_ttl(server, directories):
         got = d.get("chat\n1")
         assert got.tokens == [1, 2, 3] and got.turn.generated == [7] and got.turn.turn_id == "t"
         got.turn.deltas.append([[8, 9], "bc"])
-        d.put_turn(got, lease)
-    assert d.get("chat\n1").turn.generated == [7, 8, 9] and d.get("chat\n1").tokens == [1, 2, 3]
+        d.add_delta(got, lease)
+        stale = d.get("chat\n1")
+        got.turn.deltas.append([[10], "d"])
+        d.put(record(), lease)  # the stored turn rewritten meanwhile: one delta again
+        d.add_delta(got, lease)  # out of step: the whole record is written
+        assert d.get("chat\n1").turn.generated == [7, 8, 9, 10]
+        assert stale.turn.generated == [7, 8, 9]
+    assert d.get("chat\n1").turn.generated == [7, 8, 9, 10] and d.get("chat\n1").tokens == [1, 2, 3]
     raw = redis.Redis.from_url(server.url)
     keys = {k.decode() for k in raw.keys("*")}
-    assert keys == {session_keys("chat\n1")["session"], session_keys("chat\n1")["turn"],
-                    session_keys("chat\n1")["fence"]}  # the lease is gone with the request
+    names = session_keys("chat\n1")
+    assert keys == {names["session"], names["turn"], names["deltas"], names["fence"]}  # the lease went with the request
     assert all("chat" not in k for k in keys)  # no client-given id in Redis
     assert 50_000 < raw.pttl(session_keys("chat\n1")["session"]) <= 60_000
 
@@ -102,3 +108,24 @@ def test_urls_are_checked_and_passwords_kept_out_of_messages():
     assert redacted("redis://user:secret@host:6380/0") == "redis://user:***@host:6380/0"
     assert redacted("rediss://:secret@host/0") == "rediss://***@host/0"
     assert redacted("unix:///tmp/redis.sock") == "unix:///tmp/redis.sock"
+
+
+def test_operations_are_timed_and_failures_counted(server):
+    from specdec.telemetry.metrics import CoordinatorMetrics
+
+    metrics = CoordinatorMetrics()
+    d = RedisDirectory(server.url, ttl_s=60, lease_s=0.6, lease_wait_s=0.1, metrics=metrics)
+    other = RedisDirectory(server.url, ttl_s=60, lease_s=0.6)
+    try:
+        with other.hold("m"), pytest.raises(errors.FailedPrecondition):
+            with d.hold("m"):
+                pass
+        assert metrics.registry.get_sample_value("specdec_lease_conflicts_total") == 1
+        assert metrics.registry.get_sample_value("specdec_directory_seconds_count", {"op": "lease"}) >= 1
+        server.stop()
+        with pytest.raises(errors.Unavailable):
+            d.get("m")
+        assert metrics.registry.get_sample_value("specdec_directory_errors_total", {"op": "read"}) == 1
+    finally:
+        d.close()
+        other.close()

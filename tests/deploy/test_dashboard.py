@@ -40,6 +40,8 @@ def exported() -> dict[str, set[str]]:
     service.observe_draft_ahead(made=2, reused=1)
     service.observe_pass(PassStats(sequences=4, tokens=8, seconds=0.01))
     service.observe_queue_wait(0.001)
+    coordinator.directory.labels("read").observe(0.001)  # (the Redis directory's)
+    coordinator.directory_errors.labels("read").inc()
     names: dict[str, set[str]] = {}
     for registry in (coordinator.registry, service.registry):
         assert isinstance(registry, CollectorRegistry)
