@@ -10,7 +10,7 @@ and a script may touch them together::
     specdec:{<sha256>}:lease     the fencing token of the request driving it
     specdec:{<sha256>}:fence     the last token handed out (INCR)
 
-Every key has a sliding idle TTL (``--session-ttl``), refreshed by each write.
+Every key has a sliding idle TTL (``--redis-ttl``), refreshed by each write.
 
 **The lease.** A request takes the session's lease with one script — the lease
 key set only if absent (SET NX PX) to a token one higher than any before
@@ -35,7 +35,6 @@ import json
 import logging
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 
 import redis.asyncio
@@ -46,6 +45,7 @@ from redis.backoff import NoBackoff
 from coordinator.directory import Lease, SessionRecord
 from coordinator.leases import SessionLeases
 from specdec.serving import errors
+from specdec.serving.config import redacted_url
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -103,24 +103,12 @@ def session_keys(session_id: str) -> dict[str, str]:
     return {part: f"{KEY_PREFIX}{{{digest}}}:{part}" for part in ("session", "turn", "deltas", "lease", "fence")}
 
 
-def redacted(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" if parts.username else f"***@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
 class RedisDirectory:
     def __init__(self, url: str, *, ttl_s: float, lease_s: float = 5.0, lease_wait_s: float = 2.0,
                  timeout_s: float = 1.0, metrics=None):
         if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis {redacted(url)}: give a redis://, rediss:// or unix:// URL")
-        self.where = redacted(url)
+            raise ValueError(f"--redis {redacted_url(url)}: give a redis://, rediss:// or unix:// URL")
+        self.where = redacted_url(url)
         self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.ttl_ms = int(ttl_s * 1000)
         self.lease_ms = int(lease_s * 1000)
@@ -238,7 +226,7 @@ class RedisDirectory:
                     if not await self._scripts["renew"](keys=[key], args=[lease.token, self.lease_ms]):
                         log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
                                     "its writes will be refused", self.lease_ms / 1000)
-                except (redis.exceptions.RedisError, OSError) as e:
+                except Exception as e:  # any failure: the next renewal tries again, the keeper goes on
                     log.warning("renewing a session's lease failed: %s", e)
 
     # ------------------------------------------------------------------ plumbing

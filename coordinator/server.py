@@ -132,7 +132,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         engine.close()
         raise
     await server.start()
-    await server.set_serving(True)
+    await server.set_serving(await directory_reachable(engine.directory))
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
              "sessions %s)", config.host, port, config.draft, config.target, tok_dir or "none",
              f"in Redis at {engine.directory.where}" if config.redis else "in memory")
@@ -146,25 +146,30 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     return RunningCoordinator(server, engine, executor, port, telemetry, servicer, watcher)
 
 
+async def directory_reachable(directory, quiet: bool = False) -> bool:
+    """Whether the session directory answers now (logged when it does not, unless ``quiet``)."""
+    try:
+        await asyncio.to_thread(directory.check)
+        return True
+    except errors.Unavailable as e:
+        if not quiet:
+            log.warning("%s; health NOT_SERVING until it answers", e)
+        return False
+
+
 async def watch_directory(server: GrpcServer, directory, every_s: float = 1.0) -> None:
     """Health NOT_SERVING while the shared session directory cannot be reached
     (a load balancer then sends new work to other coordinators), SERVING again
     when it can."""
-    reachable = True
+    reachable = server.serving
     while True:
-        try:
-            await asyncio.to_thread(directory.check)
-            now, why = True, ""
-        except errors.Unavailable as e:
-            now, why = False, str(e)
+        await asyncio.sleep(every_s)
+        now = await directory_reachable(directory, quiet=not reachable)  # one line per outage
         if now != reachable:
             if now:
                 log.info("the session directory is reachable again: serving")
-            else:
-                log.warning("%s: health NOT_SERVING until it is back", why)
             await server.set_serving(now)
             reachable = now
-        await asyncio.sleep(every_s)
 
 
 def run(args: argparse.Namespace) -> int:

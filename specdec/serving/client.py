@@ -19,8 +19,8 @@ in both model services. Failed calls raise the typed errors of
 ``.code``, the gRPC status).
 
 Given several coordinators (``specdec.Client(["c1:50051", "c2:50051"])``, which
-share a ``--redis`` session directory), a stream that breaks with UNAVAILABLE
-(its coordinator died or is draining) goes on through the next coordinator:
+share a ``--redis`` session directory), a stream that breaks because its
+coordinator died or is draining goes on through the next coordinator:
 a named session's turn is resumed after the last delta received, so the loop
 sees each token once; a one-shot request is sent again only if none of it had
 arrived. It keeps trying for ``failover_s`` seconds (default 30 with several
@@ -137,14 +137,16 @@ class Client:
 
     def _stream(self, job: GenerateJob, timeout: float | None) -> Iterator[Delta | Stats]:
         """One turn's events, through the next coordinator when one fails (see the module docstring)."""
-        received, give_up_at = 0, None  # deltas received
+        received, give_up_at = 0, None  # deltas received; when to stop failing over
         while True:
             call = self._stub.Generate(convert.generate_request(job), timeout=timeout)
             try:
                 for message in call:
                     event = convert.event_from_proto(message)
-                    received += isinstance(event, Delta)
                     yield event
+                    if not isinstance(event, Delta):
+                        return  # the stats: the turn is complete, nothing after them is worth a resume
+                    received, give_up_at = received + 1, None  # progress: a later failure gets its own time
                 return
             except grpc.RpcError as e:
                 give_up_at = give_up_at or time.monotonic() + self.failover_s
@@ -156,9 +158,13 @@ class Client:
                 call.cancel()  # no-op when the stream is complete; frees the session otherwise
 
     def _fail_over(self, e: grpc.RpcError, job: GenerateJob, received: int, give_up_at: float) -> bool:
-        """Whether to go on through the next coordinator (switched to, after a pause)."""
+        """Whether to go on through the next coordinator (switched to, after a
+        pause): only when this one is gone (no answer of its own) or draining.
+        An UNAVAILABLE it answered itself (its session directory or a model
+        service is down) would be the same through any other."""
         resumable = bool(job.session_id) or received == 0
-        if e.code() != grpc.StatusCode.UNAVAILABLE or not resumable or time.monotonic() >= give_up_at:
+        gone = errors.raised_by_server(e) in (None, errors.Draining.__name__)
+        if e.code() != grpc.StatusCode.UNAVAILABLE or not gone or not resumable or time.monotonic() >= give_up_at:
             return False
         log.warning("coordinator %s: %s; going on through %s after %d deltas", self.address, e.details(),
                     self.addresses[(self._current + 1) % len(self.addresses)], received)

@@ -27,6 +27,7 @@ import re
 import sys
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -324,8 +325,25 @@ def _explain(cls: type[BaseServiceConfig], error: Mapping[str, Any], flags: Mapp
     flag = flag_name(cls, name)
     env = next((env for env in env_names(cls, name) if os.environ.get(env)), None)
     if name in flags or env is None:
-        return f"{flag} {problem}, got {error['input']!r}"
-    return f"environment variable {env}={os.environ[env]!r} {problem} (it sets {flag})"
+        return f"{flag} {problem}, got {_shown(error['input'])!r}"
+    return f"environment variable {env}={_shown(os.environ[env])!r} {problem} (it sets {flag})"
+
+
+def _shown(value: Any) -> Any:
+    """A value as an error message may repeat it: a URL without its password."""
+    return redacted_url(value) if isinstance(value, str) else value
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without the password of its user part (other strings as they are)."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.netloc or "@" not in parts.netloc:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    name, has_password, _ = user.partition(":")
+    if not has_password:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{name}:***@{host}" if name else f"***@{host}"))
 
 
 def flag_table(cls: type[BaseServiceConfig]) -> str:

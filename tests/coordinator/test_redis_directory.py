@@ -10,8 +10,9 @@ import redis
 from redis_server import RedisServer
 
 from coordinator.directory import Lease, SessionRecord, TurnRecord
-from coordinator.redis_directory import RedisDirectory, redacted, session_keys
+from coordinator.redis_directory import RedisDirectory, session_keys
 from specdec.serving import errors
+from specdec.serving.config import redacted_url as redacted
 
 
 @pytest.fixture

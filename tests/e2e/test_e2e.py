@@ -26,10 +26,9 @@ from specdec.serving.client import Client, Delta, Stats
 from specdec.serving.server import free_port
 
 from service_harness import ServiceProcess
-from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CONTEXT = 1024
+CONTEXT = 1024  # the models fixture's context (conftest.py)
 CAP = 900  # the coordinators' --max-new-tokens-cap
 PROMPT = "def fibonacci(n):"
 
@@ -51,19 +50,6 @@ def model_service(name, role, model, logdir, *extra):
 def coordinator(name, draft: Proc, target: Proc, tokenizer, logdir, *extra):
     return Proc(name, ["coordinator", "--draft", draft.address, "--target", target.address,
                        "--tokenizer", str(tokenizer), "--max-new-tokens-cap", str(CAP), *extra], logdir)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A byte-level-tokenizer target (vocab 260, context 1024) and a draft that is
-    a noisy copy of it (agrees often, not always)."""
-    root = tmp_path_factory.mktemp("e2e-models")
-    target = make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=CONTEXT,
-                             seed=0, logit_scale=4.0)
-    add_byte_tokenizer(target)
-    draft = make_noisy_copy(target, root / "draft", noise=0.05, seed=1)
-    add_byte_tokenizer(draft)
-    return target, draft
 
 
 @pytest.fixture(scope="module")

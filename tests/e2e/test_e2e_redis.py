@@ -21,19 +21,7 @@ from specdec import SpeculativeDecoder
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta
 
-from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
-
 LEASE = ("--lease", "1")  # a killed coordinator's sessions are free again after 1 s
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("redis-models")
-    target = make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=1024, seed=0, logit_scale=4.0)
-    add_byte_tokenizer(target)
-    draft = make_noisy_copy(target, root / "draft", noise=0.05, seed=1)
-    add_byte_tokenizer(draft)
-    return target, draft
 
 
 @pytest.fixture(scope="module")
