@@ -65,8 +65,12 @@ class SessionRecord:
 
     session_id: str
     tokens: list[int] = dataclasses.field(default_factory=list)  # committed history
-    draft_synced: int = 0  # prefix of ``tokens`` the draft service is known to hold
-    target_synced: int = 0  # ... and the target service
+    # The replicas the session is pinned to (their addresses) and the prefix of
+    # ``tokens`` each is known to hold.
+    draft_replica: str = ""
+    target_replica: str = ""
+    draft_synced: int = 0
+    target_synced: int = 0
     # Sampling parameters of the last request (seed included), as plain values so
     # the record serialises trivially.
     sampling: dict = dataclasses.field(default_factory=dict)

@@ -31,12 +31,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-from coordinator.directory import InMemoryDirectory, SessionDirectory
+from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
 from coordinator.learned_gamma import LearnedGamma, regime
 from coordinator.pair import PairInfo, PairRegistry
+from coordinator.pinning import Pinned, pin
+from coordinator.pools import ReplicaPool
 from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
-from coordinator.turn import Services, Turn
+from coordinator.turn import Services, Turn, open_record
+from specdec.core.gamma import StaticGamma
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
@@ -44,9 +47,13 @@ from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, gene
 
 log = logging.getLogger("specdec.coordinator")
 
+# How long a request waits for a healthy replica of a role (one starting, or
+# back from a restart, is seen by the next health check) before UNAVAILABLE.
+REPLICA_WAIT_S = 3.0
+
 
 class Coordinator:
-    """Drives sessions between one draft service and one target service."""
+    """Drives sessions over pools of draft and target replicas."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer=None, directory: SessionDirectory | None = None,
                  tokenizer_dir: str | os.PathLike | None = None, metrics=None):
@@ -54,18 +61,21 @@ class Coordinator:
         self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
         self.tokenizer = tokenizer
         self.directory: SessionDirectory = directory or make_directory(config, metrics)
-        timeouts = dict(call_timeout_s=config.call_timeout_s, info_timeout_s=config.info_timeout_s, metrics=metrics)
-        self.draft = ServiceClient("draft", config.draft, **timeouts)
-        self.target = ServiceClient("target", config.target, **timeouts)
+        self.pools = {role: make_pool(role, config, metrics) for role in ("draft", "target")}
         self.learned = LearnedGamma()
-        self.pairs = PairRegistry(self.draft, self.target, config.gamma_max,
+        self.pairs = PairRegistry(config.gamma_max,
                                   pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None,
                                   on_change=self.learned.forget)
         self.checks = RequestCheck(config, tokenizer)
-        self.services = Services(self.draft, self.target, self.pairs, CoordinatorObserver(metrics))
+        self.observer = CoordinatorObserver(metrics)
+        if metrics is not None:
+            metrics.watch_replicas(lambda: {role: pool.snapshot() for role, pool in self.pools.items()})
 
-    def pair(self, fresh: bool = False) -> PairInfo:
-        return self.pairs.get(fresh)
+    def pair(self, fresh: bool = False, wait_s: float = 0.0) -> PairInfo:
+        """The pair a healthy draft and target serve (UNAVAILABLE naming the
+        role that has none within ``wait_s``)."""
+        draft, target = (self.pools[role].pick(pin=False, wait_s=wait_s) for role in ("draft", "target"))
+        return self.pairs.get(draft.client, target.client, fresh)
 
     def generate(self, job: GenerateJob, cancelled: threading.Event | None = None
                  ) -> Iterator[Delta | GenerationStats]:
@@ -76,28 +86,70 @@ class Coordinator:
         waits for this one to end."""
         cancelled = cancelled or threading.Event()
         started = time.perf_counter()
-        pair = self.pairs.get()
-        request = self.checks.validate(job, pair)
-        key = regime(request.params, request.draft_top_k)
-        request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
+        request = self.checks.validate(job, self.pair(wait_s=REPLICA_WAIT_S))
         # A resumed turn takes over from a coordinator that may have died
         # holding the session: its lease runs out within the lease time.
         wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
         with self.directory.hold(job.session_id, cancelled, wait_s) as lease:
             if lease is None:
                 return
-            turn = Turn(self.services, self.directory, request, pair, self.tokenizer, lease)
-            if turn.resume_after is not None and self.metrics is not None:
-                self.metrics.turns_resumed.inc()
-            with generation_span(_info(request, pair, turn)) as span, \
-                    contextlib.closing(turn.run(cancelled, started)) as events:
-                for event in events:
-                    if isinstance(event, GenerationStats):
-                        record_generation(span, self.metrics, event)
-                        self.learned.finished(request.policy, key)
-                    elif self.metrics is not None:
-                        self.metrics.observe_streamed(len(event.token_ids))
-                    yield event
+            record = open_record(self.directory, job.session_id)
+            with self._pinned(record, request) as services:
+                pair = self.pairs.get(*services.clients())
+                request = self.checks.validate(job, pair)  # again: these replicas may serve other limits
+                key = regime(request.params, request.draft_top_k)
+                request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
+                turn = Turn(services, self.directory, request, pair, record, tokenizer=self.tokenizer, lease=lease)
+                yield from self._run(turn, request, key, cancelled, started)
+
+    def _run(self, turn: Turn, request: Request, key, cancelled: threading.Event, started: float
+             ) -> Iterator[Delta | GenerationStats]:
+        if turn.resume_after is not None and self.metrics is not None:
+            self.metrics.turns_resumed.inc()
+        with generation_span(_info(request, turn.pair, turn)) as span, \
+                contextlib.closing(turn.run(cancelled, started)) as events:
+            for event in events:
+                if isinstance(event, GenerationStats):
+                    record_generation(span, self.metrics, event)
+                    self.learned.finished(request.policy, key)
+                elif self.metrics is not None:
+                    self.metrics.observe_streamed(len(event.token_ids))
+                yield event
+
+    @contextlib.contextmanager
+    def _pinned(self, record: SessionRecord, request: Request) -> Iterator[Services]:
+        """The turn's replicas: the session's while they are fit, else the
+        least-loaded healthy ones (a moved side starts from an empty cache);
+        released when the turn ends."""
+        drafting = not (isinstance(request.policy, StaticGamma) and request.policy.gamma == 0)
+        pins: dict[str, Pinned] = {}
+        try:
+            for role in ("draft", "target") if drafting else ("target",):
+                pinned, cause = pin(self.pools[role], getattr(record, f"{role}_replica"), REPLICA_WAIT_S)
+                pinned.on_move = lambda role, address, cause: self._moved(record, role, address, cause, True)
+                pins[role] = pinned
+                if cause:
+                    self._moved(record, role, pinned.address, cause, False)
+            pair_draft = pins["draft"].client if drafting else \
+                self.pools["draft"].pick(pin=False, wait_s=REPLICA_WAIT_S).client
+            yield Services(pins.get("draft"), pins["target"], self.pairs, self.observer, self.metrics, pair_draft)
+        finally:
+            for pinned in pins.values():
+                pinned.release()
+
+    def _moved(self, record: SessionRecord, role: str, address: str, cause: str, mid_turn: bool) -> None:
+        previous = getattr(record, f"{role}_replica")
+        setattr(record, f"{role}_replica", address)
+        if not mid_turn:  # mid-turn the proposer or verifier re-pre-fills from the turn's own state
+            setattr(record, f"{role}_synced", 0)
+        if previous and cause != "new":
+            log.info("%s: %s replica %s -> %s (%s)", record.session_id, role, previous, address, cause)
+        if self.metrics is not None:
+            label = cause if not mid_turn else "failed" if "failed" in cause else \
+                "kv budget" if "KV" in cause else "unhealthy"
+            self.metrics.pins.labels(role, label).inc()
+            if mid_turn:
+                self.metrics.failovers.labels(role).inc()
 
     def close_session(self, session_id: str) -> bool:
         """Forget a named session and free its state in both services."""
@@ -108,14 +160,25 @@ class Coordinator:
             if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
             self.directory.delete(session_id, lease)
-            self.draft.end_session(record.service_session_id)
-            self.target.end_session(record.service_session_id)
+            for role in ("draft", "target"):
+                replica = self.pools[role].get(getattr(record, f"{role}_replica"))
+                if replica is not None:
+                    replica.client.end_session(record.service_session_id)
             return True
 
     def close(self) -> None:
-        self.draft.close()
-        self.target.close()
+        for pool in self.pools.values():
+            pool.close()
         self.directory.close()
+
+
+def make_pool(role: str, config: CoordinatorConfig, metrics=None) -> ReplicaPool:
+    """The ``--draft`` or ``--target`` replicas, one ServiceClient each."""
+    def client(address: str) -> ServiceClient:
+        return ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
+                             info_timeout_s=config.info_timeout_s, metrics=metrics)
+
+    return ReplicaPool(role, getattr(config, role), client)
 
 
 def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:

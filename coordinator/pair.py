@@ -2,7 +2,7 @@
 drives (vocabulary, context, EOS ids, γ limit), asked of both services and
 checked to work together.
 
-Asked at the first request, and again after the connection to either service
+Each replica is asked at its first turn, and again after its connection
 dropped: what answers next may be another process (a restart), perhaps with
 another model or other limits.
 """
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from coordinator.remote import ServiceClient
 from specdec.core.vocabulary import check_same_vocabulary
 from specdec.models.tokenizer import vocabulary_fingerprint
+from specdec.proto import specdec_pb2 as pb
 from specdec.serving import errors
 
 log = logging.getLogger("specdec.coordinator")
@@ -36,70 +37,92 @@ class PairInfo:
 
 
 class PairRegistry:
-    """The pair's facts, read once and again after either connection dropped.
-    ``on_change()`` runs when a re-read finds the services serve something else."""
+    """The pair's facts for any draft and target replica, from each replica's
+    ModelInfo: read once, and again after its connection dropped. A replica
+    serving another model than the rest of its role is named in a warning;
+    one turn never mixes two (:meth:`check_unchanged`). ``on_change()`` runs
+    when the pair read last differs from the one before (another model)."""
 
-    def __init__(self, draft: ServiceClient, target: ServiceClient, gamma_max: int,
-                 tokenizer_dir: pathlib.Path | None = None, on_change: Callable[[], None] = lambda: None):
-        self.draft, self.target = draft, target
+    def __init__(self, gamma_max: int, tokenizer_dir: pathlib.Path | None = None,
+                 on_change: Callable[[], None] = lambda: None):
         self.gamma_max, self.tokenizer_dir, self.on_change = gamma_max, tokenizer_dir, on_change
         self._lock = threading.Lock()
-        self._pair: PairInfo | None = None
-        # Counts the drops, so that a read that started before one does not store what it read.
-        self._epoch = 0
-        self._last: PairInfo | None = None  # the last one read, to log a change
-        draft.on_connection_lost(lambda: self.forget("draft"))
-        target.on_connection_lost(lambda: self.forget("target"))
+        self._infos: dict[str, pb.ModelInfo] = {}  # by replica ("draft host:port"), while connected
+        self._epochs: dict[str, int] = {}  # counts each replica's drops: a read from before one is not kept
+        self._watched: set[str] = set()
+        self._last: PairInfo | None = None  # the last pair read, to log a change
+        self._last_from: tuple[str, str] = ("", "")
+        self._fingerprints: dict[int, str] = {}  # the tokenizer's, by vocabulary size
 
     @property
     def known(self) -> PairInfo | None:
-        return self._pair
-
-    def forget(self, role: str) -> None:
+        """The pair read last, while both its replicas' facts are still held."""
         with self._lock:
-            self._epoch += 1
-            known, self._pair = self._pair, None
+            held = all(key in self._infos for key in self._last_from)
+            return self._last if held else None
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._epochs[key] = self._epochs.get(key, 0) + 1
+            known = self._infos.pop(key, None)
         if known is not None:
-            log.info("lost the connection to the %s service: the model pair is checked again at the next request",
-                     role)
+            log.info("lost the connection to the %s service: its model is checked again at the next request", key)
 
-    def get(self, fresh: bool = False) -> PairInfo:
-        """The pair, asked of both services if not known (or when ``fresh``);
-        FailedPrecondition if they cannot work together."""
+    def get(self, draft: ServiceClient, target: ServiceClient, fresh: bool = False) -> PairInfo:
+        """The pair these two replicas serve, asked of them if not known (or when
+        ``fresh``); FailedPrecondition if they cannot work together."""
+        d, t = self._info(draft, fresh), self._info(target, fresh)
+        pair = self._pair(d, t, draft, target)
         with self._lock:
-            pair, epoch = self._pair, self._epoch
-        if pair is not None and not fresh:
-            return pair
-        pair = self._read()
-        with self._lock:
-            if self._epoch == epoch:
-                self._pair = pair
-            before, self._last = self._last, pair
+            before, self._last, self._last_from = self._last, pair, (_key(draft), _key(target))
         if pair != before:  # the first check, or the services came back different
-            self._log(pair, before)
+            self._log(pair, before, draft, target)
             if before is not None:
                 self.on_change()
         return pair
 
-    def check_unchanged(self, pair: PairInfo) -> None:
-        """Before a service that lost a session mid-turn (as a restarted one has)
-        gets its history again: one turn never mixes two models."""
-        now = self.get(fresh=True)
+    def check_unchanged(self, pair: PairInfo, draft: ServiceClient, target: ServiceClient) -> None:
+        """Before a replica that lost a session mid-turn (as a restarted one has),
+        or one the turn moves to, gets its history: one turn never mixes two
+        models."""
+        now = self.get(draft, target, fresh=True)
         if now != pair:
             raise errors.Unavailable(
-                f"the services changed during this turn (now draft {now.draft_name!r}, target "
-                f"{now.target_name!r}, context {now.context}; the turn began with {pair.draft_name!r}, "
-                f"{pair.target_name!r}, context {pair.context}): the turn is stopped, send it again")
+                f"the services changed during this turn (now draft {now.draft_name!r} at {draft.address}, target "
+                f"{now.target_name!r} at {target.address}, context {now.context}; the turn began with "
+                f"{pair.draft_name!r}, {pair.target_name!r}, context {pair.context}): the turn is stopped, "
+                f"send it again")
 
-    def _read(self) -> PairInfo:
-        d, t = self.draft.model_info(), self.target.model_info()
-        draft, target = self._where(d, self.draft), self._where(t, self.target)
+    def _info(self, client: ServiceClient, fresh: bool) -> pb.ModelInfo:
+        key = _key(client)
+        with self._lock:
+            info, epoch = self._infos.get(key), self._epochs.get(key, 0)
+            watch = key not in self._watched
+            self._watched.add(key)
+        if watch:
+            client.on_connection_lost(lambda: self.forget(key))
+        if info is not None and not fresh:
+            return info
+        info = client.model_info()
+        with self._lock:
+            if self._epochs.get(key, 0) == epoch:
+                self._infos[key] = info
+            others = {k: i.model_name for k, i in self._infos.items()
+                      if k.startswith(client.role + " ") and i.model_name != info.model_name}
+        if others:
+            log.warning("%s serves model %r, other %s replicas another: %s; a turn runs on one model only",
+                        key, info.model_name, client.role, others)
+        return info
+
+    def _pair(self, d: pb.ModelInfo, t: pb.ModelInfo, draft_client: ServiceClient,
+              target_client: ServiceClient) -> PairInfo:
+        draft, target = self._where(d, draft_client), self._where(t, target_client)
         try:
             check_same_vocabulary(draft, d.vocab_size, d.vocab_fingerprint, target, t.vocab_size, t.vocab_fingerprint)
         except ValueError as e:
             raise errors.FailedPrecondition(str(e)) from None
         if self.tokenizer_dir is not None and (self.tokenizer_dir / "tokenizer.json").is_file():
-            mine = vocabulary_fingerprint(self.tokenizer_dir, t.vocab_size)
+            mine = self._fingerprint(t.vocab_size)
             if mine != t.vocab_fingerprint:
                 raise errors.FailedPrecondition(
                     f"tokenizer mismatch: the coordinator's tokenizer {self.tokenizer_dir} (fingerprint {mine}) "
@@ -110,15 +133,24 @@ class PairRegistry:
                         eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name,
                         target_name=t.model_name, gamma_max=min([self.gamma_max, *limits]))
 
+    def _fingerprint(self, vocab_size: int) -> str:
+        if vocab_size not in self._fingerprints:
+            self._fingerprints[vocab_size] = vocabulary_fingerprint(self.tokenizer_dir, vocab_size)
+        return self._fingerprints[vocab_size]
+
     @staticmethod
     def _where(info, client: ServiceClient) -> str:
         return f"{client.role} {info.model_name!r} at {client.address}"
 
-    def _log(self, pair: PairInfo, before: PairInfo | None) -> None:
+    def _log(self, pair: PairInfo, before: PairInfo | None, draft: ServiceClient, target: ServiceClient) -> None:
         log.log(logging.INFO if before is None else logging.WARNING,
                 "model pair%s: draft %r at %s + target %r at %s (vocab %d, context %d, eos %s, gamma max %d)",
-                "" if before is None else " changed", pair.draft_name, self.draft.address, pair.target_name,
-                self.target.address, pair.vocab_size, pair.context, sorted(pair.eos_token_ids), pair.gamma_max)
+                "" if before is None else " changed", pair.draft_name, draft.address, pair.target_name,
+                target.address, pair.vocab_size, pair.context, sorted(pair.eos_token_ids), pair.gamma_max)
         if pair.gamma_max < self.gamma_max:
             log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
                         "their --gamma-max)", pair.gamma_max, self.gamma_max)
+
+
+def _key(client: ServiceClient) -> str:
+    return f"{client.role} {client.address}"

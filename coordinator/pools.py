@@ -214,6 +214,9 @@ class Replica:
     reason: str = NOT_CHECKED
     load: int = 0  # sessions pinned to it through the pool
     resolved: bool = True  # still among the addresses the spec names
+    # Out only because a call failed, no health check since: with no healthy
+    # replica left, it is still worth a try (a blip, or a restart).
+    suspect: bool = False
 
 
 class ReplicaStatus(NamedTuple):
@@ -263,17 +266,20 @@ class ReplicaPool:
 
     # -------------------------------------------------------------- choosing
 
-    def pick(self, exclude: Iterable[str] = (), *, pin: bool = True, wait_s: float = 0.0) -> Replica:
+    def pick(self, exclude: Iterable[str] = (), *, pin: bool = True, wait_s: float = 0.0,
+             suspects: bool = True) -> Replica:
         """The healthy replica with the fewest pinned sessions (round robin
         among equals), not one of ``exclude``; pinned to the caller when
-        ``pin`` (in the same step, so concurrent picks spread out). With no such
-        replica, checks again every RETRY_S for up to ``wait_s`` (services that
-        are still starting), then raises Unavailable saying why each is out."""
+        ``pin`` (in the same step, so concurrent picks spread out). With none
+        healthy, and ``suspects``: one that is out only because a call failed
+        (no health check has said otherwise since). With no such replica,
+        checks again every RETRY_S for up to ``wait_s`` (services that are
+        still starting), then raises Unavailable saying why each is out."""
         excluded = set(exclude)
         deadline = self._clock() + wait_s
         while True:
             try:
-                return self._pick(excluded, pin)
+                return self._pick(excluded, pin, suspects)
             except errors.Unavailable:
                 if self._clock() >= deadline or self._stop.is_set():
                     raise
@@ -282,9 +288,11 @@ class ReplicaPool:
                 self.resolve_now()
             self.check_now()
 
-    def _pick(self, excluded: set[str], pin: bool) -> Replica:
+    def _pick(self, excluded: set[str], pin: bool, suspects: bool) -> Replica:
         with self._lock:
             fit = [r for r in self._replicas.values() if r.address not in excluded and r.healthy and r.resolved]
+            if not fit and suspects:
+                fit = [r for r in self._replicas.values() if r.address not in excluded and r.suspect and r.resolved]
             if not fit:
                 raise errors.Unavailable(self._none_fit(excluded))
             least = min(r.load for r in fit)
@@ -340,6 +348,7 @@ class ReplicaPool:
         with self._lock:
             replica = self._replicas.get(address)
             if replica is not None:
+                replica.suspect = replica.healthy or replica.suspect
                 self._set_health(replica, False, reason)
 
     def report_success(self, address: str) -> None:
@@ -360,6 +369,7 @@ class ReplicaPool:
         with self._lock:
             for replica, (healthy, reason) in answers:
                 self._set_health(replica, healthy, reason)
+                replica.suspect = False
         return self.snapshot()
 
     def _start_check(self, replica: Replica) -> Callable[[], Health]:

@@ -2,16 +2,22 @@
 Proposer and Verifier (specdec.core.rounds), so the coordinator runs the very same
 round as the in-process decoder.
 
-Every call carries a deadline and the session's round id. When a service answers
+Every call carries a deadline and the session's round id, and goes to the
+turn's replica of its role (:mod:`coordinator.pinning`). When a service answers
 NOT_FOUND (it evicted the session, or restarted), the call is repeated once from
 position 0 with the whole token history: the service re-pre-fills and the round
-goes on as if nothing happened — the output cannot change, because the history
+goes on as if nothing happened -- the output cannot change, because the history
 is exactly what the service held before (and the coordinator first checks that
-the service still serves the same model: a restart loses sessions too). An
-UNAVAILABLE answer is repeated with the same round id, so a call the service did
-apply is not applied twice: for up to 3 s when the service could not be reached,
-once when it refused itself (shutting down, loading); a service that stays down
-fails the request with UNAVAILABLE naming it.
+the service still serves the same model: a restart loses sessions too).
+
+A replica that fails (UNAVAILABLE, a deadline, a call cancelled as it shuts
+down) is reported to its pool. A failed target call is sent at once to another
+healthy target, pre-filled from position 0; with none, it is repeated with the
+same round id, so a call the service did apply is not applied twice: for up to
+3 s when the service could not be reached, once when it refused itself
+(shutting down, loading); a target that stays down fails the request with
+UNAVAILABLE naming it. A failed draft call never fails the request: the round
+goes on with the drafts that arrived, the next on another draft or at γ = 0.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
+from coordinator.pinning import Pinned
+from coordinator.pools import Replica
 from specdec.core.interfaces import DraftToken, PassLoad, SamplingParams, SessionState, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -128,6 +136,9 @@ class ServiceClient:
             self.timed_out_at = time.monotonic()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # every replica tried is full: back off, then retry
+            return errors.ResourceExhausted(f"{where} refused {method}: {_details(e)}; no other {self.role} "
+                                            f"replica had room", retry_after_s=1.0)
         err = errors.from_rpc_error(e)
         err.args = (f"{where} failed {method}: {_details(e)}",)
         return err
@@ -211,35 +222,66 @@ class _Retries:
 @dataclasses.dataclass
 class RemoteSession:
     """What the proposer and the verifier of one turn share: the session's name
-    in the services, its committed state, its round ids, and what to check
-    before re-pre-filling a service that lost it (may raise: see _Retries)."""
+    in the services, its committed state, its round ids, what to check before
+    re-pre-filling a service that lost it (may raise: see _Retries), whether a
+    replica may take the turn over (it serves the turn's model), and the metrics."""
 
     key: str
     state: SessionState
     ids: RoundIds
     before_refill: Callable[[], None] = lambda: None
+    may_take_over: Callable[[Replica], bool] = lambda replica: True
+    metrics: object = None  # a CoordinatorMetrics, or None
+
+    def refilled(self, role: str, cause: str) -> None:
+        if self.metrics is not None:
+            self.metrics.prefills.labels(role, cause).inc()
+
+
+# Codes that say a replica is dead, draining or hung, not that the call was wrong.
+REPLICA_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED})
+
+
+def _move(pinned: Pinned, session: RemoteSession, cause: str, exclude: Iterable[str] = ()) -> bool:
+    """Move the turn's ``pinned`` role to another replica that serves its model."""
+    if not pinned.move(cause, session.may_take_over, exclude):
+        return False
+    session.refilled(pinned.role, "moved")
+    return True
 
 
 class RemoteProposer:
-    """The draft service as a :class:`specdec.core.interfaces.Proposer` for one session."""
+    """The draft service as a :class:`specdec.core.interfaces.Proposer` for one
+    session. A draft replica that fails (unreachable, draining, out of time,
+    out of KV memory) costs speculation, never the turn: the round verifies the
+    drafts that arrived (perhaps none), and the next round moves to another
+    healthy draft, re-pre-filled from the history, or drafts nothing (γ = 0)
+    while there is none."""
 
-    def __init__(self, client: ServiceClient, session: RemoteSession, stats: SideStats, draft_top_k: int = 0):
-        self.client, self.session, self.stats, self.draft_top_k = client, session, stats, draft_top_k
+    def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats, draft_top_k: int = 0):
+        self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
 
     def propose(
         self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams
     ) -> Iterator[DraftToken]:
         retries = _Retries(self.session.before_refill)
+        if not self.pinned.fit():
+            if not _move(self.pinned, self.session, "unhealthy" if self.pinned.replica else "none left"):
+                return
+            new_tokens = self.session.state.tokens[:position] + list(new_tokens)
+            position = self.session.state.draft_synced = 0
+            retries.refilled = True
         while True:
+            client = self.pinned.client
             request = conv.propose_request(
                 self.session.key, self.session.ids.next_id, position, new_tokens, gamma, params, self.draft_top_k
             )
             yielded = received = 0
             try:
-                with self.client.calls.call("Propose") as call:
+                with client.calls.call("Propose") as call:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
-                    messages = self.client.stub.Propose(request, timeout=self.client.call_timeout_s,
-                                                        metadata=call.metadata)
+                    messages = client.stub.Propose(request, timeout=client.call_timeout_s, metadata=call.metadata)
                     for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete
@@ -250,12 +292,30 @@ class RemoteProposer:
                         yield DraftToken(message.token, message.q if message.HasField("q") else None)
                 return
             except grpc.RpcError as e:
-                action = None if yielded else retries.after(e, position, self.client, self.session.key)
+                if self._gave_up(e, client, yielded):
+                    return
+                action = None if yielded else retries.after(e, position, client, self.session.key)
                 if action is None:
-                    raise self.client.translate(e, "Propose") from None
+                    raise client.translate(e, "Propose") from None
                 if action == "refill":
+                    self.session.refilled("draft", "evicted")
                     new_tokens = self.session.state.tokens[:position] + list(new_tokens)
                     position = self.session.state.draft_synced = 0
+
+    def _gave_up(self, e: grpc.RpcError, client: ServiceClient, yielded: int) -> bool:
+        """A failure of the replica (not of the request) ends the drafting of
+        this round; one that is dead or leaving is reported to the pool."""
+        code = e.code()
+        if code not in REPLICA_FAILURES and code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return False
+        if code in REPLICA_FAILURES:
+            self.pinned.failed(f"Propose failed ({code.name}): {_details(e)}")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                client.timed_out_at = time.monotonic()
+        log.warning("%s: draft service at %s failed Propose (%s: %s): this round verifies the %d drafts that "
+                    "arrived%s", self.session.key, client.address, code.name, _details(e), yielded,
+                    "" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "; the next moves to another draft")
+        return True
 
     def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool, waited_s: float,
                  sent: int, received: int) -> RpcRecord:
@@ -268,34 +328,54 @@ class RemoteProposer:
 
 
 class RemoteVerifier:
-    """The target service as a :class:`specdec.core.interfaces.Verifier` for one session."""
+    """The target service as a :class:`specdec.core.interfaces.Verifier` for one
+    session. A target replica that fails a call (or is out before one) is
+    replaced by another healthy one that serves the same model, re-pre-filled
+    from the committed history, and the call is sent there; with none, the
+    call is repeated on the same replica as :class:`_Retries` says."""
 
-    def __init__(self, client: ServiceClient, session: RemoteSession, stats: SideStats):
-        self.client, self.session, self.stats = client, session, stats
+    def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats):
+        self.pinned, self.session, self.stats = pinned, session, stats
 
     def verify(
         self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
     ) -> Verdict:
         retries = _Retries(self.session.before_refill)
+        refill = not self.pinned.fit() and _move(self.pinned, self.session, "unhealthy")
+        full: set[str] = set()  # replicas that answered this call RESOURCE_EXHAUSTED
         while True:
+            if refill:
+                new_tokens = self.session.state.tokens[:position] + list(new_tokens)
+                position = self.session.state.target_synced = 0
+                retries.refilled, refill = True, False
+            client = self.pinned.client
             request = conv.verify_request(self.session.key, self.session.ids.next_id, position, new_tokens, drafts,
                                           params)
             try:
-                with self.client.calls.call("Verify") as call:
+                with client.calls.call("Verify") as call:
                     started = time.perf_counter()
-                    response = self.client.stub.Verify(request, timeout=self.client.call_timeout_s,
-                                                       metadata=call.metadata)
+                    response = client.stub.Verify(request, timeout=client.call_timeout_s, metadata=call.metadata)
                     record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,
                                                request.ByteSize(), response.ByteSize())
                     call.record(record)
                 break
             except grpc.RpcError as e:
-                action = retries.after(e, position, self.client, self.session.key)
+                if e.code() in REPLICA_FAILURES:
+                    self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}")
+                    if _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
+                        refill = True
+                        continue
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV budget: another may have room
+                    full.add(client.address)
+                    if _move(self.pinned, self.session, "at its KV budget", full):
+                        refill = True
+                        continue
+                action = retries.after(e, position, client, self.session.key)
                 if action is None:
-                    raise self.client.translate(e, "Verify") from None
+                    raise client.translate(e, "Verify") from None
                 if action == "refill":
-                    new_tokens = self.session.state.tokens[:position] + list(new_tokens)
-                    position = self.session.state.target_synced = 0
+                    self.session.refilled("target", "evicted")
+                    refill = True
         s = self.stats
         if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
             s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))

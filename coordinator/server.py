@@ -123,7 +123,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         metrics=telemetry.metrics if telemetry else None)
-    servicer = CoordinatorServicer(engine, executor)
+    servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
         port = await bind_or_close(server, config.host, config.port, telemetry)

@@ -30,12 +30,14 @@ _END = object()
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor):
+    def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor, max_streams: int | None = None):
         self.engine = engine
         self.executor = executor
+        self.max_streams = max_streams  # beyond: RESOURCE_EXHAUSTED (the executor's threads are all busy)
         self.cleanups: set[asyncio.Future] = set()  # of requests that ended early, still running
         self.end_streams_at: float | None = None  # loop time: set by :meth:`shutting_down`
         self.drain_grace_s = 0.0
+        self.streams = 0  # Generate calls in progress (on the event loop: no lock)
 
     async def shutting_down(self, grace_s: float) -> None:
         """SIGTERM: streams still open shortly before the drain grace runs out
@@ -47,6 +49,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Generate(self, request, context):
         job = conv.job_from_proto(request)
+        if self.max_streams is not None and self.streams >= self.max_streams:  # more would wait for a thread
+            raise errors.ResourceExhausted(
+                f"the coordinator is serving {self.streams} streams, its limit (--max-workers "
+                f"{self.max_streams}): retry in a moment, or on another coordinator", retry_after_s=1.0)
+        self.streams += 1
+        counted = True
+        try:
+            async for reply in self._generate(job):
+                if reply.HasField("stats"):  # the turn is complete: its client may send the next at once
+                    self.streams, counted = self.streams - 1, False
+                yield reply
+        finally:
+            if counted:
+                self.streams -= 1
+
+    async def _generate(self, job):
         loop = asyncio.get_running_loop()
         gone = threading.Event()  # set when the client has gone
         steps = self.engine.generate(job, gone)

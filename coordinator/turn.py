@@ -25,7 +25,9 @@ from collections.abc import Iterator
 
 from coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
 from coordinator.pair import PairInfo, PairRegistry
-from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, ServiceClient, SideStats
+from coordinator.pinning import Pinned
+from coordinator.pools import Replica
+from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, SideStats
 from coordinator.requests import Request
 from specdec.core.gamma import StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
@@ -39,13 +41,36 @@ log = logging.getLogger("specdec.coordinator")
 
 @dataclasses.dataclass(frozen=True)
 class Services:
-    """What a turn runs on: the two services, the pair they serve, and the
-    round observer."""
+    """What a turn runs on: its draft replica (None: the turn does not draft)
+    and target replica, the pair they serve, the round observer and the metrics."""
 
-    draft: ServiceClient
-    target: ServiceClient
+    draft: Pinned | None
+    target: Pinned
     pairs: PairRegistry
     observer: RoundObserver
+    metrics: object = None  # a CoordinatorMetrics, or None
+    pair_draft: object = None  # the draft client the pair is read with when the turn pins no draft
+
+    def clients(self, role: str = "", replica: Replica | None = None) -> tuple:
+        draft = self.draft.client if self.draft is not None and self.draft.client is not None else self.pair_draft
+        target = self.target.client
+        if role == "draft":
+            draft = replica.client
+        elif role == "target":
+            target = replica.client
+        return draft, target
+
+    def serves(self, pair: PairInfo, role: str, replica: Replica) -> bool:
+        """Whether ``replica`` may take the turn's ``role`` over: it answers,
+        and with the turn's other replica it serves ``pair``."""
+        try:
+            return self.pairs.get(*self.clients(role, replica)) == pair
+        except errors.SpecdecError as e:
+            log.warning("%s replica %s cannot take the turn over: %s", role, replica.address, e)
+            return False
+
+    def check_unchanged(self, pair: PairInfo) -> None:
+        self.pairs.check_unchanged(pair, *self.clients())
 
 
 def open_record(directory: SessionDirectory, session_id: str) -> SessionRecord:
@@ -86,10 +111,10 @@ def resumed_turn(record: SessionRecord, job) -> TurnRecord | None:
 
 class Turn:
     def __init__(self, services: Services, directory: SessionDirectory, request: Request, pair: PairInfo,
-                 tokenizer=None, lease: Lease | None = None):
+                 record: SessionRecord, *, tokenizer=None, lease: Lease | None = None):
         self.services, self.directory, self.request, self.pair = services, directory, request, pair
         self.tokenizer, self.lease = tokenizer, lease
-        self.record = open_record(directory, request.job.session_id)
+        self.record = record
         self.named = bool(request.job.session_id)
         resumed = resumed_turn(self.record, request.job) if request.job.resume_after is not None else None
         self.resume_after = request.job.resume_after if resumed is not None else None
@@ -121,6 +146,9 @@ class Turn:
         re-pre-filled from the history. Their TTL frees the old name."""
         self.record.service_session_id = fresh_service_name(self.record.session_id)
         self.record.draft_synced = self.record.target_synced = 0
+        if self.services.metrics is not None:
+            for role in ("draft", "target"):
+                self.services.metrics.prefills.labels(role, "turn cut short").inc()
 
     def _new_turn(self) -> TurnRecord:
         record, request = self.record, self.request
@@ -194,9 +222,10 @@ class Turn:
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
-        session = RemoteSession(self.key, self.state, self.ids, lambda: services.pairs.check_unchanged(pair))
+        session = RemoteSession(self.key, self.state, self.ids, lambda: services.check_unchanged(pair),
+                                lambda replica: services.serves(pair, replica.client.role, replica), services.metrics)
         proposer = None
-        if self.drafting:
+        if self.drafting and services.draft is not None:
             proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k)
         verifier = RemoteVerifier(services.target, session, self.target_stats)
         self.ended_before = self._complete(text)
@@ -250,9 +279,10 @@ class Turn:
             self._end_in_services(draft=self.drafting)
 
     def _end_in_services(self, draft: bool) -> None:
-        if draft:
-            self.services.draft.end_session(self.key)
-        self.services.target.end_session(self.key)
+        sides = [self.services.draft] if draft else []
+        for pinned in (*sides, self.services.target):
+            if pinned is not None and pinned.client is not None:
+                pinned.client.end_session(self.key)
 
     @property
     def generated(self) -> int:

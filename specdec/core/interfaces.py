@@ -106,7 +106,9 @@ class Proposer(Protocol):
     def propose(self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams) -> Iterator[DraftToken]:
         """Roll back to ``position``, append ``new_tokens`` and draft ``gamma``
         tokens, yielding each as soon as it is drafted (with the q it was
-        sampled from, under sampling: the proposer's own, e.g. its top-k)."""
+        sampled from, under sampling: the proposer's own, e.g. its top-k).
+        It may yield fewer (a remote draft that failed): the round verifies
+        what it got, and the output is the target's all the same."""
 
 
 class Verifier(Protocol):
@@ -130,7 +132,7 @@ class SessionState:
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     tokens: list[int]  # committed this round (accepted drafts + next token, maybe cut short)
-    gamma: int
+    gamma: int  # drafts the round verified (the policy's γ, or fewer if the proposer sent fewer)
     accepted: int
     draft_s: float  # from asking for drafts to holding all of them
     verify_s: float

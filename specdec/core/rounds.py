@@ -107,8 +107,8 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
     verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params)
     t2 = time.perf_counter()
     tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token]
-    return RoundResult(tokens, gamma, verdict.accepted, t1 - t0, t2 - t1, None, first, draft_behind,
-                       target_behind, verdict.passes)
+    return RoundResult(tokens, len(drafts), verdict.accepted, t1 - t0, t2 - t1, None, first,
+                       draft_behind if drafts else 0, target_behind, verdict.passes)
 
 
 def _commit(result: RoundResult, state: SessionState, limits: Limits, budget: int, room: int) -> RoundResult:

@@ -155,10 +155,11 @@ class CoordinatorConfig(BaseServiceConfig):
 
     role: ClassVar[str] = "coordinator"
 
-    draft: str = Field("localhost:50052", description="draft service address",
-                       json_schema_extra={"metavar": "HOST:PORT", **ROLE_ONLY})
-    target: str = Field("localhost:50053", description="target service address",
-                        json_schema_extra={"metavar": "HOST:PORT", **ROLE_ONLY})
+    draft: str = Field("localhost:50052", description="draft service replicas: HOST:PORT, a comma-separated "
+                       "list, or dns:///NAME:PORT (every address NAME resolves to, looked up again every 10 s)",
+                       json_schema_extra={"metavar": "ADDRESSES", **ROLE_ONLY})
+    target: str = Field("localhost:50053", description="target service replicas, as --draft",
+                        json_schema_extra={"metavar": "ADDRESSES", **ROLE_ONLY})
     port: int = Field(50051, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
     tokenizer: str | None = Field(
         None, description="tokenizer directory for text prompts, text deltas and stop strings (default: the "
@@ -183,7 +184,8 @@ class CoordinatorConfig(BaseServiceConfig):
     info_timeout_s: float = Field(
         10.0, gt=0, description="deadline of GetModelInfo/EndSession calls",
         json_schema_extra={"flag": "--info-timeout", "metavar": "SECONDS"})
-    max_workers: int = Field(64, gt=0, description="threads running round loops (concurrent Generate streams)")
+    max_workers: int = Field(64, gt=0, description="threads running round loops: the most Generate streams at "
+                             "once (more are refused with RESOURCE_EXHAUSTED and a retry-after hint)")
     redis: str = Field(
         "", description="keep the session directory in Redis (redis://HOST:PORT/DB, rediss:// for TLS, "
         "unix://PATH), shared by every coordinator given the same URL; empty: in this process's memory",
@@ -198,11 +200,16 @@ class CoordinatorConfig(BaseServiceConfig):
 
     @field_validator("draft", "target")
     @classmethod
-    def _grpc_address(cls, value: str) -> str:
-        # HOST:PORT, [IPv6]:PORT, or a gRPC target with a scheme (unix:PATH, dns:///NAME:PORT)
-        if re.fullmatch(r"\S+:\d{1,5}", value) or re.fullmatch(r"[a-z][a-z0-9+.-]*:\S+", value):
-            return value
-        raise ValueError("must be HOST:PORT or a gRPC target such as unix:PATH")
+    def _grpc_addresses(cls, value: str) -> str:
+        # Each entry HOST:PORT, [IPv6]:PORT, or a gRPC target with a scheme (unix:PATH, dns:///NAME:PORT);
+        # the coordinator's replica pool says more precisely what is wrong with one.
+        entries = [entry.strip() for entry in value.split(",")]
+        for entry in entries:
+            if not (re.fullmatch(r"\S+:\d{1,5}", entry) or re.fullmatch(r"[a-z][a-z0-9+.-]*:\S+", entry)):
+                where = f" ({entry!r} is not)" if len(entries) > 1 else ""
+                raise ValueError(f"must be HOST:PORT, a comma-separated list of them, or a gRPC target such as "
+                                 f"unix:PATH or dns:///NAME:PORT{where}")
+        return value
 
     @field_validator("redis")
     @classmethod

@@ -22,9 +22,13 @@ anything else               INTERNAL (logged with its traceback)
 
 On the client side :func:`from_rpc_error` maps a status back to these types, so
 the coordinator can write ``except SessionNotFound:`` around a service call.
+A RESOURCE_EXHAUSTED status may carry ``retry-after`` trailing metadata: the
+seconds to wait before trying again (:attr:`ResourceExhausted.retry_after_s`).
 """
 
 from __future__ import annotations
+
+import math
 
 import grpc
 
@@ -67,7 +71,14 @@ class PositionMismatch(FailedPrecondition):
 
 
 class ResourceExhausted(SpecdecError):
+    """Out of a capacity (streams, KV memory). ``retry_after_s``, when set, is
+    sent as ``retry-after`` trailing metadata (seconds): when to try again."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(SpecdecError):
@@ -119,6 +130,19 @@ def rpc_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
 ERROR_TYPE_KEY = "specdec-error"
 
 
+RETRY_AFTER_KEY = "retry-after"
+
+
+def trailing_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a specdec server sends with the status of ``exc``: its type, and
+    the retry hint of a ResourceExhausted that carries one."""
+    metadata = ((ERROR_TYPE_KEY, type(exc).__name__),)
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is not None:
+        metadata += ((RETRY_AFTER_KEY, f"{max(1, math.ceil(retry))}"),)
+    return metadata
+
+
 def raised_by_server(err: grpc.RpcError) -> str | None:
     """Client side: the error type a specdec server answered with, or None when
     the status did not come from one (a connection failure, a deadline)."""
@@ -137,4 +161,14 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     out = cls(details or code.name)
     if cls is SpecdecError:
         out.code = code
+    if cls is ResourceExhausted:
+        out.retry_after_s = _retry_after(err)
     return out
+
+
+def _retry_after(err: grpc.RpcError) -> float | None:
+    try:
+        metadata = err.trailing_metadata() or ()
+        return next((float(value) for key, value in metadata if key == RETRY_AFTER_KEY), None)
+    except Exception:  # not a call's error, or not a number
+        return None

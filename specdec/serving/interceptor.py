@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from specdec.serving.errors import ERROR_TYPE_KEY, status_for
+from specdec.serving.errors import status_for, trailing_metadata
 from specdec.telemetry import tracing
 from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
 from specdec.telemetry.server_spans import record_timing, start_server_span
@@ -144,7 +144,7 @@ class _Call:
                 log.error("%s failed: %s", self.full_method, message, exc_info=exc)
             else:
                 log.info("%s -> %s: %s", self.full_method, code.name, message)
-            await context.abort(code, message, trailing_metadata=((ERROR_TYPE_KEY, type(exc).__name__),))
+            await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
 
     def _count(self, code: str | None) -> None:
         if self.metrics is not None:

@@ -104,6 +104,21 @@ class CoordinatorMetrics(RpcMetrics):
             "specdec_lease_conflicts", "Requests refused because another coordinator held the session.", registry=r)
         self.turns_resumed = Counter(
             "specdec_turns_resumed", "Turns resumed after their stream broke (resume_after).", registry=r)
+        self.pins = Counter(
+            "specdec_replica_pins", "Sessions pinned to a replica, by role and cause (new: a session's first; "
+            "gone, unhealthy: its replica left or is out at a turn's start; failed: moved mid-turn).",
+            ["role", "cause"], registry=r)
+        self.failovers = Counter(
+            "specdec_failovers", "Turns moved to another replica mid-turn, by role.", ["role"], registry=r)
+        self.prefills = Counter(
+            "specdec_re_prefills", "Sessions re-pre-filled from their history, by role and cause (evicted: the "
+            "replica lost it; moved: another replica took it over; turn cut short: its last turn did not finish).",
+            ["role", "cause"], registry=r)
+
+    def watch_replicas(self, snapshot: Callable[[], Mapping[str, Iterable]]) -> None:
+        """Report ``snapshot()`` ({role: [ReplicaStatus]}) at each scrape:
+        turns in flight and health of every replica."""
+        self.registry.register(_ReplicaCollector(snapshot))
 
     def observe_round(self, *, gamma: int, accepted: int, wall_s: float,
                       phases: Mapping[str, float]) -> None:
@@ -273,3 +288,26 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class _ReplicaCollector:
+    """Per replica, read from the pools when scraped: ``specdec_replica_turns``
+    (turns in flight through this coordinator) and ``specdec_replica_healthy``."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Iterable]]):
+        self.snapshot = snapshot
+
+    def describe(self):
+        return []  # not known before the first scrape: the pools may still be resolving
+
+    def collect(self):
+        turns = GaugeMetricFamily("specdec_replica_turns", "Turns in flight on a replica through this coordinator.",
+                                  labels=["role", "address"])
+        healthy = GaugeMetricFamily("specdec_replica_healthy", "1 if the replica takes new sessions, else 0.",
+                                    labels=["role", "address"])
+        for role, replicas in self.snapshot().items():
+            for replica in replicas:
+                turns.add_metric([role, replica.address], replica.load)
+                healthy.add_metric([role, replica.address], 1.0 if replica.healthy else 0.0)
+        yield turns
+        yield healthy

@@ -179,8 +179,8 @@ def run_row(stack: Stack, prompts: list[list[int]], sessions: int, policy: str, 
     pids = {**stack.pids, "client": os.getpid()}
     cpu = {role: cpu_seconds(pid) for role, pid in pids.items()}
     batched = pass_sessions(stack.target_metrics)
-    report = run_load(stack.address, prompts, sessions=sessions, requests=requests, duration_s=None,
-                      request=request)
+    report, _ = run_load(stack.address, prompts, sessions=sessions, requests=requests, duration_s=None,
+                         request=request)
     cpu = {role: cpu_seconds(pid) - cpu[role] for role, pid in pids.items()}
     total, passes = (after - before for after, before in zip(pass_sessions(stack.target_metrics), batched,
                                                               strict=True))

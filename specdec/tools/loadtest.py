@@ -10,6 +10,12 @@ next as soon as the last ends) until ``--requests`` have been sent or
   the gap between two streamed deltas spread over the tokens of the later one
   (a round commits several tokens at once);
 * requests/s, and errors by gRPC status code.
+
+``--turns T`` makes each session a conversation of T turns on one named
+session (the first turn sends a whole prompt, later ones a 16-token follow-up).
+``--check`` then compares every greedy turn, after the run, with target-only
+decoding (γ = 0) of the same history through the same coordinators: speculation,
+batching and any failover during the run must not change a token.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class RequestRecord:
     """One request as the client saw it: times relative to its start, in seconds."""
 
     tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     first_token_s: float | None = None
     token_gaps_s: list[float] = dataclasses.field(default_factory=list)  # one per token after the first delta
     total_s: float = 0.0
@@ -50,10 +57,14 @@ class LoadReport:
     ttft_p99_s: float
     itl_p50_s: float
     itl_p99_s: float
+    checked: int = 0  # turns compared with target-only decoding (--check)
+    differed: int = 0
 
     def lines(self) -> list[str]:
         errors = ", ".join(f"{code} {n}" for code, n in sorted(self.errors.items())) or "none"
-        return [
+        check = [f"outputs        {self.checked} turns checked against target-only decoding, "
+                 f"{self.differed} differed"] if self.checked else []
+        return [*check,
             f"sessions       {self.sessions} concurrent, {self.requests} requests in {self.wall_s:.1f} s "
             f"({self.requests_per_second:.2f} requests/s)",
             f"throughput     {self.tokens_per_second:.1f} tokens/s ({self.tokens} tokens)",
@@ -90,25 +101,39 @@ def one_request(client, prompt: str | list[int], request: dict) -> RequestRecord
                 record.token_gaps_s += [(now - last) / len(event.token_ids)] * len(event.token_ids)
             last = now
             record.tokens += len(event.token_ids)
+            record.token_ids += event.token_ids
     except SpecdecError as e:
         record.error = e.code.name
     record.total_s = time.perf_counter() - start
     return record
 
 
+@dataclasses.dataclass
+class Turn:
+    """One request of a conversation, kept for ``--check``."""
+
+    session_id: str
+    history: list[int]  # the conversation's tokens before this turn's prompt
+    prompt: list[int]
+    record: RequestRecord
+
+
 def run_load(address: str, prompts: list, *, sessions: int, requests: int, duration_s: float | None,
-             request: dict, progress: bool = False) -> LoadReport:
-    """``sessions`` threads sending ``requests`` in all (or until ``duration_s``)."""
+             request: dict, turns: int = 1, progress: bool = False) -> tuple[LoadReport, list[Turn]]:
+    """``sessions`` threads sending ``requests`` in all (or until ``duration_s``),
+    as conversations of ``turns`` requests each; the report, and the turns of
+    prompt-id conversations (for :func:`check_turns`)."""
     from tqdm import tqdm
 
     from specdec.serving.client import Client
 
-    lock, records = threading.Lock(), []
-    sent = iter(range(requests))
+    lock, records, done = threading.Lock(), [], []
+    conversations = iter(range(math.ceil(requests / turns)))
     bar = tqdm(total=requests, unit="req", disable=not progress, file=sys.stderr)
     addresses = address.split(",")
     start = time.perf_counter()
     deadline = start + duration_s if duration_s else float("inf")
+    run_id = f"load-{time.time_ns():x}"
 
     def worker(n: int):
         # Each session starts at another coordinator (when given several), going
@@ -116,13 +141,22 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
         with Client(addresses[n % len(addresses):] + addresses[:n % len(addresses)], timeout=600) as client:
             while time.perf_counter() < deadline:
                 with lock:
-                    i = next(sent, None)
-                if i is None:
+                    c = next(conversations, None)
+                if c is None:
                     return
-                record = one_request(client, prompts[i % len(prompts)], request)
-                with lock:
-                    records.append(record)
-                    bar.update()
+                session = f"{run_id}-{c}" if turns > 1 else ""
+                history: list = []
+                for k in range(min(turns, requests - c * turns)):
+                    prompt = follow_up(prompts, c * turns + k, first=k == 0)
+                    record = one_request(client, prompt, {**request, "session_id": session})
+                    with lock:
+                        records.append(record)
+                        if isinstance(prompt, list):
+                            done.append(Turn(session, list(history), prompt, record))
+                        bar.update()
+                    if record.error is not None:
+                        break
+                    history += list(prompt) + record.token_ids
 
     threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(sessions)]
     for t in threads:
@@ -131,7 +165,35 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
         t.join()
     wall = time.perf_counter() - start
     bar.close()
-    return summarise(records, sessions, wall)
+    return summarise(records, sessions, wall), done
+
+
+def follow_up(prompts: list, i: int, first: bool):
+    """The ``i``-th request's prompt: a whole prompt to start a conversation,
+    its first 16 tokens (a prompt of ids) to go on with one."""
+    prompt = prompts[i % len(prompts)]
+    return prompt if first or not isinstance(prompt, list) else prompt[:16]
+
+
+def check_turns(address: str, turns: list[Turn], request: dict) -> int:
+    """How many successful greedy ``turns`` differ from target-only decoding of
+    the same history and prompt, one-shot, through the coordinator."""
+    from specdec.serving.client import Client
+
+    differed = 0
+    with Client(address.split(","), timeout=600) as client:
+        for turn in turns:
+            if turn.record.error is not None:
+                continue
+            want = client.complete(prompt_ids=turn.history + turn.prompt, gamma_policy="static:0",
+                                   max_new_tokens=request["max_new_tokens"]).token_ids
+            got = turn.record.token_ids
+            if want != got:
+                differed += 1
+                at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), len(got))
+                print(f"session {turn.session_id or '(one-shot)'}: the turn after {len(turn.history)} history "
+                      f"tokens differs from target-only decoding from token {at} on", file=sys.stderr)
+    return differed
 
 
 def summarise(records: list[RequestRecord], sessions: int, wall_s: float) -> LoadReport:
@@ -178,12 +240,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns per conversation, each conversation a named session (default 1: one-shot requests)")
+    p.add_argument("--check", action="store_true",
+                   help="after the run, compare every turn with target-only decoding of the same history "
+                   "(greedy, prompt ids only); exit 1 if any differs")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    for name in ("sessions", "max_new_tokens"):
+    for name in ("sessions", "max_new_tokens", "turns"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.requests is not None and args.requests <= 0:
@@ -192,6 +259,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--duration must be > 0, got {args.duration}")
     if args.sessions > 1024:
         raise ValueError(f"--sessions {args.sessions}: at most 1024 client threads")
+    if args.check and (args.temperature > 0 or args.prompt):
+        raise ValueError("--check compares greedy outputs of token-id prompts: drop --temperature and --prompt")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,9 +270,12 @@ def run(args: argparse.Namespace) -> int:
                "gamma_policy": args.gamma_policy}
     if args.temperature > 0:
         request["seed"] = args.seed
-    report = run_load(args.coordinator, prompts, sessions=args.sessions,
-                      requests=args.requests or 4 * args.sessions, duration_s=args.duration, request=request,
-                      progress=not args.no_progress)
+    report, turns = run_load(args.coordinator, prompts, sessions=args.sessions,
+                             requests=args.requests or 4 * args.sessions, duration_s=args.duration,
+                             request=request, turns=args.turns, progress=not args.no_progress)
+    if args.check:
+        report.checked = sum(t.record.error is None for t in turns)
+        report.differed = check_turns(args.coordinator, turns, request)
     print("\n".join(report.lines()))
     if args.json:
         text = json.dumps(dataclasses.asdict(report), indent=2)
@@ -212,4 +284,4 @@ def run(args: argparse.Namespace) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-    return 0 if report.requests and not report.errors else 1
+    return 0 if report.requests and not report.errors and not report.differed else 1

@@ -258,16 +258,24 @@ def test_a_session_lost_twice_in_one_round_is_an_error_not_a_loop(fakes):
 
 
 def test_an_unavailable_blip_is_repeated_with_the_same_round_id(fakes):
+    """The target's call is repeated as it was; the draft's is not (a draft
+    failure costs speculation only): the round goes on without drafts, and
+    the draft is out of the pool until a health check takes it back."""
     draft, target, make = fakes
     engine = make()
     steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=12, gamma_policy="static:3"))
     next(steps)
     target.unavailable_once = draft.unavailable_once = True
-    ids = [t for e in steps if isinstance(e, Delta) for t in e.token_ids]
+    events = list(steps)
+    ids = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
     assert ids == expected_tokens(3, 12)[-len(ids):]
-    for fake in (draft, target):
-        blip = next(i for i in range(1, len(fake.round_ids)) if fake.round_ids[i] == fake.round_ids[i - 1])
-        assert fake.calls[blip] == fake.calls[blip - 1]  # the very same call again
+    blip = next(i for i in range(1, len(target.round_ids)) if target.round_ids[i] == target.round_ids[i - 1])
+    assert target.calls[blip] == target.calls[blip - 1]  # the very same call again
+    assert len(set(draft.round_ids)) == len(draft.round_ids), "a failed Propose is not repeated"
+    assert 0 in events[-1].gammas[1:], "the round of the blip verifies no drafts"
+    (status,) = engine.pools["draft"].snapshot()
+    assert not status.healthy and "Propose failed (UNAVAILABLE)" in status.reason
+    assert engine.pools["draft"].check_now()[0].healthy  # (the fakes have no health service: fine)
 
 
 def test_a_service_back_within_seconds_is_waited_for_and_one_that_stays_down_fails(fakes):
@@ -496,7 +504,7 @@ def test_a_turn_never_mixes_two_models(restartable):
     other = FakeTarget()
     other.name = "another-target"
     restart_target(other)
-    with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft', "
+    with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft' at [0-9.:]+, "
                                                  "target 'another-target'"):
         list(steps)
     assert other.calls and all(position > 0 for _, position, _ in other.calls)  # no re-pre-fill was sent

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import types
 
 import yaml
 from prometheus_client import CollectorRegistry
@@ -42,6 +43,11 @@ def exported() -> dict[str, set[str]]:
     service.observe_queue_wait(0.001)
     coordinator.directory.labels("read").observe(0.001)  # (the Redis directory's)
     coordinator.directory_errors.labels("read").inc()
+    coordinator.pins.labels("draft", "gone").inc()
+    coordinator.failovers.labels("target").inc()
+    coordinator.prefills.labels("target", "moved").inc()
+    replica = types.SimpleNamespace(address="t:1", load=1, healthy=True)
+    coordinator.watch_replicas(lambda: {"target": [replica]})
     names: dict[str, set[str]] = {}
     for registry in (coordinator.registry, service.registry):
         assert isinstance(registry, CollectorRegistry)

@@ -196,7 +196,10 @@ def test_every_flag_variable_and_port_is_one_the_services_accept(objects):
 def test_the_coordinator_finds_each_model_service_through_its_service(objects):
     roles = kube.by_role(objects)
     config = roles["coordinator"].config()
+    assert config.redis.startswith("redis://specdec-redis:"), "the coordinators share the bundled Redis"
     for role in ("draft", "target"):
+        # every ready pod of the headless Service, looked up again as pods come and go
+        assert getattr(config, role).startswith("dns:///"), f"--{role} {getattr(config, role)}: not a pool"
         (address,) = kube.addresses(getattr(config, role))
         service = kube.service_host(objects, address["host"])
         assert service is not None, f"--{role} {getattr(config, role)}: no such Service"

@@ -2,20 +2,23 @@
 here as a local process with exactly the command, arguments and environment
 its manifest gives it. Only what a cluster provides is stood in for: each pod's
 ports are free loopback ports, a Service name resolves to the port of the
-container behind it, each volume is a local folder, and the collector is an
-in-memory OTLP receiver. Then, as the kubelet would: wait for each readiness
+container behind it, each volume is a local folder, the collector is an
+in-memory OTLP receiver and Redis a local redis-server. Then, as the kubelet would: wait for each readiness
 probe (gRPC health on the probe's port), stream a Generate through the
 coordinator's Service, and SIGTERM every process, which must exit within its
 terminationGracePeriodSeconds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
 import subprocess
 import time
 import urllib.request
+
+from redis_server import RedisServer
 
 from specdec import SpeculativeDecoder
 from specdec.models import bundled
@@ -79,6 +82,19 @@ class LocalCluster:
         return ServiceProcess(sc.name, argv, self.root, health, env=env, cwd=self.root)
 
 
+@contextlib.contextmanager
+def _stopped(redis: RedisServer):
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+def local_port(cluster: LocalCluster, address) -> int:
+    """The loopback port of the pod behind a Service address (a regex match of host and port)."""
+    return int(cluster.address(address["host"], int(address["port"])).split(":")[1])
+
+
 def wait_ready(process: ServiceProcess, sc: kube.SpecdecContainer) -> None:
     """As the kubelet does: the startup probe's budget to pass the readiness probe."""
     startup = sc.container["startupProbe"]
@@ -135,7 +151,9 @@ def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path):
     roles = kube.by_role(objects)
     cluster = LocalCluster(objects, tmp_path)
     (collector,) = kube.addresses(roles["coordinator"].env["OTEL_EXPORTER_OTLP_ENDPOINT"])
-    with OtlpReceiver(port=int(cluster.address(collector["host"], int(collector["port"])).split(":")[1])) as otlp:
+    (redis,) = kube.addresses(roles["coordinator"].env["SPECDEC_COORDINATOR_REDIS"])
+    directory = RedisServer(tmp_path / "redis", port=local_port(cluster, redis)).start()
+    with OtlpReceiver(port=local_port(cluster, collector)) as otlp, _stopped(directory):
         processes = {role: cluster.start(sc) for role, sc in roles.items()}  # all at once
         try:
             expected = target_only(PROMPT, NEW_TOKENS)  # while they start

@@ -85,3 +85,12 @@ def test_only_the_collector_receives_telemetry(objects):
         assert allowed(objects, pod(collector), backend, "otlp-grpc")
         for sc in kube.specdec_containers(objects):
             assert not allowed(objects, pod(sc.workload), backend, "otlp-grpc"), sc.name
+
+
+def test_only_the_coordinators_reach_redis(objects):
+    redis = kube.named(objects, "Deployment", "specdec-redis")
+    coordinator = kube.by_role(objects)["coordinator"].workload
+    assert allowed(objects, pod(coordinator), redis, "redis")
+    others = [w for w in kube.workloads(objects) if w is not coordinator]
+    for source in [CLIENT, NEIGHBOUR, PROMETHEUS] + [pod(w) for w in others]:
+        assert not allowed(objects, source, redis, "redis"), f"{source} reaches Redis"

@@ -77,7 +77,11 @@ def test_a_flag_overrides_a_bad_variable(monkeypatch):
     (CoordinatorConfig, {"port": 70000}, {}, "--port must be <= 65535, got 70000"),
     (TargetConfig, {"dtype": "int8"}, {}, "--dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"),
     (CoordinatorConfig, {"draft": "localhost"}, {},
-     "--draft must be HOST:PORT or a gRPC target such as unix:PATH, got 'localhost'"),
+     "--draft must be HOST:PORT, a comma-separated list of them, or a gRPC target such as unix:PATH or "
+     "dns:///NAME:PORT, got 'localhost'"),
+    (CoordinatorConfig, {"target": "t1:50053,t2"}, {},
+     "--target must be HOST:PORT, a comma-separated list of them, or a gRPC target such as unix:PATH or "
+     "dns:///NAME:PORT ('t2' is not), got 't1:50053,t2'"),
     (CoordinatorConfig, {}, {"SPECDEC_DEFAULT_GAMMA_POLICY": "fast"},
      "environment variable SPECDEC_DEFAULT_GAMMA_POLICY='fast' must be static:N, heuristic or adaptive "
      "(it sets --gamma-policy)"),
