@@ -75,6 +75,9 @@ class SessionRecord:
     # the record serialises trivially.
     sampling: dict = dataclasses.field(default_factory=dict)
     gamma_policy: str = ""
+    # What adaptive γ saw of this session's acceptance (its regime, and the
+    # counts by draft position), for its next turn on any coordinator.
+    gamma_state: dict = dataclasses.field(default_factory=dict)
     next_round_id: int = 1  # round ids stay unique across turns (0 means "no id" to the services)
     # The session's name in the draft and target services (set when the record
     # is created): the session id plus a random suffix, so that two coordinators
@@ -109,6 +112,7 @@ class Lease:
 
     session_id: str
     token: int = 0
+    nonce: str = ""  # with the token in a shared directory: unique even if Redis restarted empty
 
 
 class SessionDirectory(Protocol):

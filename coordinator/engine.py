@@ -39,7 +39,7 @@ from coordinator.pools import ReplicaPool
 from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
 from coordinator.turn import Services, Turn, open_record
-from specdec.core.gamma import StaticGamma
+from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
@@ -74,8 +74,28 @@ class Coordinator:
     def pair(self, fresh: bool = False, wait_s: float = 0.0) -> PairInfo:
         """The pair a healthy draft and target serve (UNAVAILABLE naming the
         role that has none within ``wait_s``)."""
-        draft, target = (self.pools[role].pick(pin=False, wait_s=wait_s) for role in ("draft", "target"))
-        return self.pairs.get(draft.client, target.client, fresh)
+        draft, target = (self._answering(role, fresh, wait_s) for role in ("draft", "target"))
+        return self.pairs.get(draft, target)
+
+    def _answering(self, role: str, fresh: bool, wait_s: float) -> ServiceClient:
+        """A healthy replica of ``role`` whose ModelInfo is at hand or that
+        answers for it; one that does not is reported out and the next tried."""
+        tried: set[str] = set()
+        failed: errors.Unavailable | None = None
+        while True:
+            try:
+                replica = self.pools[role].pick(exclude=tried, pin=False, wait_s=wait_s)
+            except errors.Unavailable:
+                if failed is not None:
+                    raise failed from None
+                raise
+            try:
+                self.pairs.info(replica.client, fresh)
+                return replica.client
+            except errors.Unavailable as e:
+                self.pools[role].report_failure(replica.address, f"GetModelInfo failed: {e}")
+                tried.add(replica.address)
+                failed = e
 
     def generate(self, job: GenerateJob, cancelled: threading.Event | None = None
                  ) -> Iterator[Delta | GenerationStats]:
@@ -99,6 +119,7 @@ class Coordinator:
                 request = self.checks.validate(job, pair)  # again: these replicas may serve other limits
                 key = regime(request.params, request.draft_top_k)
                 request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
+                continue_session(request.policy, record, key)
                 turn = Turn(services, self.directory, request, pair, record, tokenizer=self.tokenizer, lease=lease)
                 yield from self._run(turn, request, key, cancelled, started)
 
@@ -172,13 +193,28 @@ class Coordinator:
         self.directory.close()
 
 
+def continue_session(policy, record: SessionRecord, key: tuple) -> None:
+    """An adaptive policy starts from the acceptance the session's last turn saw,
+    when it ran in the same regime (greedy, or the same sampling settings)."""
+    state = record.gamma_state
+    if isinstance(policy, AdaptiveGamma) and state and tuple(state.get("regime", ())) == key:
+        policy.continue_session(state)
+
+
 def make_pool(role: str, config: CoordinatorConfig, metrics=None) -> ReplicaPool:
     """The ``--draft`` or ``--target`` replicas, one ServiceClient each."""
-    def client(address: str) -> ServiceClient:
-        return ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
-                             info_timeout_s=config.info_timeout_s, metrics=metrics)
+    pools: list[ReplicaPool] = []
 
-    return ReplicaPool(role, getattr(config, role), client)
+    def client(address: str) -> ServiceClient:
+        made = ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
+                             info_timeout_s=config.info_timeout_s, metrics=metrics)
+        # A dropped connection (the process died or stopped) takes the replica
+        # out at once, not at the next health sweep.
+        made.on_connection_lost(lambda: pools and pools[0].report_failure(address, "its connection dropped"))
+        return made
+
+    pools.append(ReplicaPool(role, getattr(config, role), client))
+    return pools[0]
 
 
 def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:

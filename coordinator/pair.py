@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import pathlib
 import threading
+import weakref
 from collections.abc import Callable
 
 from coordinator.remote import ServiceClient
@@ -34,6 +35,7 @@ class PairInfo:
     draft_name: str
     target_name: str
     gamma_max: int  # the largest γ a request may use: the coordinator's limit or the services', if lower
+    vocab_fingerprint: str = ""  # the vocabulary both serve
 
 
 class PairRegistry:
@@ -47,71 +49,85 @@ class PairRegistry:
                  on_change: Callable[[], None] = lambda: None):
         self.gamma_max, self.tokenizer_dir, self.on_change = gamma_max, tokenizer_dir, on_change
         self._lock = threading.Lock()
-        self._infos: dict[str, pb.ModelInfo] = {}  # by replica ("draft host:port"), while connected
-        self._epochs: dict[str, int] = {}  # counts each replica's drops: a read from before one is not kept
-        self._watched: set[str] = set()
+        # By client (a replica's address may come back as another pod, with a new client):
+        # its ModelInfo while connected, and its drops (a read from before one is not kept).
+        self._infos: weakref.WeakKeyDictionary[ServiceClient, pb.ModelInfo] = weakref.WeakKeyDictionary()
+        self._epochs: weakref.WeakKeyDictionary[ServiceClient, int] = weakref.WeakKeyDictionary()
+        self._watched: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
         self._last: PairInfo | None = None  # the last pair read, to log a change
-        self._last_from: tuple[str, str] = ("", "")
+        self._last_from: tuple = ()
         self._fingerprints: dict[int, str] = {}  # the tokenizer's, by vocabulary size
 
     @property
     def known(self) -> PairInfo | None:
         """The pair read last, while both its replicas' facts are still held."""
         with self._lock:
-            held = all(key in self._infos for key in self._last_from)
+            held = bool(self._last_from) and all(c in self._infos for c in self._last_from)
             return self._last if held else None
 
-    def forget(self, key: str) -> None:
+    def forget(self, client: ServiceClient) -> None:
         with self._lock:
-            self._epochs[key] = self._epochs.get(key, 0) + 1
-            known = self._infos.pop(key, None)
+            self._epochs[client] = self._epochs.get(client, 0) + 1
+            known = self._infos.pop(client, None)
         if known is not None:
-            log.info("lost the connection to the %s service: its model is checked again at the next request", key)
+            log.info("lost the connection to the %s service at %s: its model is checked again before its next "
+                     "turn", client.role, client.address)
 
     def get(self, draft: ServiceClient, target: ServiceClient, fresh: bool = False) -> PairInfo:
         """The pair these two replicas serve, asked of them if not known (or when
         ``fresh``); FailedPrecondition if they cannot work together."""
-        d, t = self._info(draft, fresh), self._info(target, fresh)
+        d, t = self.info(draft, fresh), self.info(target, fresh)
         pair = self._pair(d, t, draft, target)
         with self._lock:
-            before, self._last, self._last_from = self._last, pair, (_key(draft), _key(target))
+            before, self._last, self._last_from = self._last, pair, (draft, target)
         if pair != before:  # the first check, or the services came back different
             self._log(pair, before, draft, target)
             if before is not None:
                 self.on_change()
         return pair
 
-    def check_unchanged(self, pair: PairInfo, draft: ServiceClient, target: ServiceClient) -> None:
-        """Before a replica that lost a session mid-turn (as a restarted one has),
-        or one the turn moves to, gets its history: one turn never mixes two
-        models."""
-        now = self.get(draft, target, fresh=True)
-        if now != pair:
-            raise errors.Unavailable(
-                f"the services changed during this turn (now draft {now.draft_name!r} at {draft.address}, target "
-                f"{now.target_name!r} at {target.address}, context {now.context}; the turn began with "
-                f"{pair.draft_name!r}, {pair.target_name!r}, context {pair.context}): the turn is stopped, "
-                f"send it again")
+    def differs(self, pair: PairInfo, client: ServiceClient, fresh: bool = False) -> str:
+        """How the replica behind ``client`` differs from what ``pair`` says of
+        its role ("": it does not). Only that replica is asked."""
+        info = self.info(client, fresh)
+        name = pair.draft_name if client.role == "draft" else pair.target_name
+        if info.model_name != name:
+            return f"serves {info.model_name!r}, the turn began with {name!r}"
+        if info.vocab_size != pair.vocab_size or info.vocab_fingerprint != pair.vocab_fingerprint:
+            return f"has another vocabulary (size {info.vocab_size}, fingerprint {info.vocab_fingerprint})"
+        if info.max_context < pair.context:
+            return f"holds a context of {info.max_context}, the turn needs {pair.context}"
+        if client.role == "target" and frozenset(info.eos_token_ids) != pair.eos_token_ids:
+            return f"ends on EOS ids {sorted(info.eos_token_ids)}, the turn began with {sorted(pair.eos_token_ids)}"
+        return ""
 
-    def _info(self, client: ServiceClient, fresh: bool) -> pb.ModelInfo:
-        key = _key(client)
+    def check_unchanged(self, pair: PairInfo, client: ServiceClient) -> None:
+        """Before a replica that lost a session mid-turn (as a restarted one has)
+        gets its history again: one turn never mixes two models."""
+        why = self.differs(pair, client, fresh=True)
+        if why:
+            raise errors.Unavailable(f"the {client.role} service at {client.address} changed during this turn: "
+                                     f"it {why}; the turn is stopped, send it again")
+
+    def info(self, client: ServiceClient, fresh: bool = False) -> pb.ModelInfo:
+        """The replica's ModelInfo: held, or asked (and held until its connection drops)."""
         with self._lock:
-            info, epoch = self._infos.get(key), self._epochs.get(key, 0)
-            watch = key not in self._watched
-            self._watched.add(key)
+            info, epoch = self._infos.get(client), self._epochs.get(client, 0)
+            watch = client not in self._watched
+            self._watched.add(client)
         if watch:
-            client.on_connection_lost(lambda: self.forget(key))
+            client.on_connection_lost(lambda: self.forget(client))
         if info is not None and not fresh:
             return info
         info = client.model_info()
         with self._lock:
-            if self._epochs.get(key, 0) == epoch:
-                self._infos[key] = info
-            others = {k: i.model_name for k, i in self._infos.items()
-                      if k.startswith(client.role + " ") and i.model_name != info.model_name}
+            if self._epochs.get(client, 0) == epoch:
+                self._infos[client] = info
+            others = {c.address: i.model_name for c, i in self._infos.items()
+                      if c.role == client.role and i.model_name != info.model_name}
         if others:
-            log.warning("%s serves model %r, other %s replicas another: %s; a turn runs on one model only",
-                        key, info.model_name, client.role, others)
+            log.warning("%s replica %s serves model %r, others another: %s; a turn runs on one model only",
+                        client.role, client.address, info.model_name, others)
         return info
 
     def _pair(self, d: pb.ModelInfo, t: pb.ModelInfo, draft_client: ServiceClient,
@@ -131,7 +147,8 @@ class PairRegistry:
         limits = [info.gamma_max for info in (d, t) if info.HasField("gamma_max")]
         return PairInfo(vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
                         eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name,
-                        target_name=t.model_name, gamma_max=min([self.gamma_max, *limits]))
+                        target_name=t.model_name, gamma_max=min([self.gamma_max, *limits]),
+                        vocab_fingerprint=t.vocab_fingerprint)
 
     def _fingerprint(self, vocab_size: int) -> str:
         if vocab_size not in self._fingerprints:
@@ -151,6 +168,3 @@ class PairRegistry:
             log.warning("gamma is capped at %d, the services' limit (--gamma-max %d here; raise theirs with "
                         "their --gamma-max)", pair.gamma_max, self.gamma_max)
 
-
-def _key(client: ServiceClient) -> str:
-    return f"{client.role} {client.address}"

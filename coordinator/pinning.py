@@ -74,7 +74,12 @@ class Pinned:
             except errors.Unavailable as e:
                 log.debug("%s: no replica to move to (%s)", self.role, e)
                 return False
-            if accept(chosen):
+            try:
+                taken = accept(chosen)
+            except BaseException:
+                self.pool.unpin(chosen.address)
+                raise
+            if taken:
                 break
             self.pool.unpin(chosen.address)
             excluded.add(chosen.address)
@@ -99,11 +104,11 @@ def pin(pool: ReplicaPool, address: str, wait_s: float = 0.0) -> tuple[Pinned, s
     not, "new" : the session had none). Unavailable, naming the role and why
     each replica is out, if none is fit within ``wait_s``."""
     if address:
-        replica = pool.get(address)
-        if replica is not None and replica.healthy and replica.resolved:
-            pool.pin(address)
+        replica = pool.pin_if_fit(address)
+        if replica is not None:
             return Pinned(pool, replica), ""
-        cause = "gone" if replica is None or not replica.resolved else "unhealthy"
+        known = pool.get(address)
+        cause = "gone" if known is None or not known.resolved else "unhealthy"
     else:
         cause = "new"
     return Pinned(pool, pool.pick(wait_s=wait_s)), cause

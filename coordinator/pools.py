@@ -249,6 +249,7 @@ class ReplicaPool:
         self._checker = checker or grpc_health_checker(health_service or HEALTH_SERVICES[role], health_timeout_s)
         self._lock = threading.Lock()
         self._resolving = threading.Lock()  # one re-resolution at a time: each adds what it found
+        self._sweeping = threading.Lock()  # held by a waiting pick's health sweep
         self._replicas: dict[str, Replica] = {}
         self._last_pick = ""
         self._resolved_at = float("-inf")
@@ -286,7 +287,11 @@ class ReplicaPool:
             self._stop.wait(min(self.RETRY_S, max(0.0, deadline - self._clock())))
             if self.dns is not None and not self._replicas:
                 self.resolve_now()
-            self.check_now()
+            if self._sweeping.acquire(blocking=False):  # one sweep at a time, however many wait
+                try:
+                    self.check_now()
+                finally:
+                    self._sweeping.release()
 
     def _pick(self, excluded: set[str], pin: bool, suspects: bool) -> Replica:
         with self._lock:
@@ -330,6 +335,16 @@ class ReplicaPool:
             replica = self._replicas.get(address)
             if replica is not None:
                 replica.load += 1
+            return replica
+
+    def pin_if_fit(self, address: str) -> Replica | None:
+        """Count one more session on the replica at ``address`` if it is fit for
+        one (healthy, still resolved), in one step; None if it is not."""
+        with self._lock:
+            replica = self._replicas.get(address)
+            if replica is None or not (replica.healthy and replica.resolved):
+                return None
+            replica.load += 1
             return replica
 
     def unpin(self, address: str) -> None:

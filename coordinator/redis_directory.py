@@ -35,6 +35,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import redis.asyncio
@@ -51,12 +52,15 @@ log = logging.getLogger("specdec.coordinator")
 
 KEY_PREFIX = "specdec:"
 
-# KEYS: lease, fence. ARGV: lease ms, idle TTL ms. -> the new token, or 0 if leased.
+# KEYS: lease, fence. ARGV: lease ms, idle TTL ms, the holder's nonce. -> the
+# new token, or 0 if leased. The lease holds "token:nonce": a Redis restarted
+# empty counts tokens from 1 again, and the nonce keeps a lease taken then from
+# matching one a stalled coordinator still holds from before.
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local token = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('SET', KEYS[1], token, 'PX', ARGV[1])
+redis.call('SET', KEYS[1], token .. ':' .. ARGV[3], 'PX', ARGV[1])
 return token
 """
 # KEYS: lease. ARGV: token, lease ms. -> 1 if still ours.
@@ -198,10 +202,11 @@ class RedisDirectory:
         keys = session_keys(session_id)
         deadline = time.monotonic() + wait_s
         while True:
+            nonce = uuid.uuid4().hex[:16]
             token = self._call("lease", self._scripts["acquire"](
-                keys=[keys["lease"], keys["fence"]], args=[self.lease_ms, self.ttl_ms]))
+                keys=[keys["lease"], keys["fence"]], args=[self.lease_ms, self.ttl_ms, nonce]))
             if token:
-                return Lease(session_id, int(token))
+                return Lease(session_id, int(token), nonce)
             if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
                 if self.metrics is not None:
                     self.metrics.lease_conflicts.inc()
@@ -213,7 +218,7 @@ class RedisDirectory:
     def _release(self, lease: Lease) -> None:
         try:
             self._call("release", self._scripts["release"](
-                keys=[session_keys(lease.session_id)["lease"]], args=[lease.token]))
+                keys=[session_keys(lease.session_id)["lease"]], args=[_token(lease)]))
         except errors.Unavailable as e:  # it expires by itself
             log.warning("could not release the lease of a session: %s", e)
 
@@ -223,7 +228,7 @@ class RedisDirectory:
             await asyncio.sleep(self.lease_ms / 3000)
             for key, lease in list(self._held.values()):
                 try:
-                    if not await self._scripts["renew"](keys=[key], args=[lease.token, self.lease_ms]):
+                    if not await self._scripts["renew"](keys=[key], args=[_token(lease), self.lease_ms]):
                         log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
                                     "its writes will be refused", self.lease_ms / 1000)
                 except Exception as e:  # any failure: the next renewal tries again, the keeper goes on
@@ -286,7 +291,7 @@ def _json(value) -> str:
 def _token(lease: Lease | None) -> str:
     if lease is None or not lease.token:
         raise errors.FailedPrecondition("a write to the shared session directory without the session's lease")
-    return str(lease.token)
+    return f"{lease.token}:{lease.nonce}"
 
 
 def _lost(session_id: str) -> errors.FailedPrecondition:

@@ -137,8 +137,8 @@ class ServiceClient:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return errors.Unavailable(f"{where} did not answer {method} ({code.name}): {_details(e)}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # every replica tried is full: back off, then retry
-            return errors.ResourceExhausted(f"{where} refused {method}: {_details(e)}; no other {self.role} "
-                                            f"replica had room", retry_after_s=1.0)
+            return errors.ResourceExhausted(f"{where} refused {method}: {_details(e)} (no other {self.role} "
+                                            f"replica took it)", retry_after_s=1.0)
         err = errors.from_rpc_error(e)
         err.args = (f"{where} failed {method}: {_details(e)}",)
         return err
@@ -212,7 +212,7 @@ class _Retries:
             return None
         if code == grpc.StatusCode.NOT_FOUND and not self.refilled and position > 0:
             self.refilled = True
-            self.before_refill()  # a lost session may mean another process: is it still the same model?
+            self.before_refill(client)  # a lost session may mean another process: is it still the same model?
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",
                      client.role, session_id, _details(e))
             return "refill"
@@ -229,7 +229,7 @@ class RemoteSession:
     key: str
     state: SessionState
     ids: RoundIds
-    before_refill: Callable[[], None] = lambda: None
+    before_refill: Callable[[ServiceClient], None] = lambda client: None
     may_take_over: Callable[[Replica], bool] = lambda replica: True
     metrics: object = None  # a CoordinatorMetrics, or None
 
@@ -253,11 +253,11 @@ def _move(pinned: Pinned, session: RemoteSession, cause: str, exclude: Iterable[
 
 class RemoteProposer:
     """The draft service as a :class:`specdec.core.interfaces.Proposer` for one
-    session. A draft replica that fails (unreachable, draining, out of time,
-    out of KV memory) costs speculation, never the turn: the round verifies the
-    drafts that arrived (perhaps none), and the next round moves to another
-    healthy draft, re-pre-filled from the history, or drafts nothing (γ = 0)
-    while there is none."""
+    session. A draft replica that fails mid-turn (unreachable, draining, out of
+    time) costs speculation, never the turn: the round verifies the drafts that
+    arrived (perhaps none), and the next round moves to another healthy draft,
+    re-pre-filled from the history, or drafts nothing (γ = 0) while there is
+    none. One out of KV memory drafts nothing for that round."""
 
     def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats, draft_top_k: int = 0):
         self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
@@ -348,6 +348,9 @@ class RemoteVerifier:
                 new_tokens = self.session.state.tokens[:position] + list(new_tokens)
                 position = self.session.state.target_synced = 0
                 retries.refilled, refill = True, False
+                # A fresh round id: the replica now asked may have applied this
+                # round's first form (the turn left it, and came back).
+                self.session.ids.next_id += 1
             client = self.pinned.client
             request = conv.verify_request(self.session.key, self.session.ids.next_id, position, new_tokens, drafts,
                                           params)

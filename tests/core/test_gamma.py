@@ -357,6 +357,23 @@ def test_a_new_request_carries_costs_whole_and_acceptance_partly():
     assert start.alphas()[0] < policy.alphas()[0]
 
 
+def test_a_session_carries_its_own_acceptance_to_its_next_turn():
+    """A session's next turn (maybe on another coordinator, through the session
+    record) starts from half of what its last turn saw of acceptance, as plain
+    lists; a record from another γ range is ignored."""
+    seen = AdaptiveGamma(gamma_max=8)
+    for _ in range(40):
+        seen.observe(RoundResult([1], 4, 0, 0.004, 0.008, None, 0.001))  # every draft rejected
+    state = seen.acceptance()
+    assert state["tried"][0] > 10 and state["accepted"][0] == 0 and len(state["tried"]) == 8  # (decayed counts)
+    fresh, other = AdaptiveGamma(gamma_max=8), AdaptiveGamma(gamma_max=4)
+    fresh.continue_session(state)
+    other.continue_session(state)
+    assert fresh.acceptance() == {"tried": [t / 2 for t in state["tried"]], "accepted": [0.0] * 8}
+    assert fresh.alphas()[0] < AdaptiveGamma(gamma_max=8).alphas()[0]
+    assert other.acceptance() == AdaptiveGamma(gamma_max=4).acceptance()
+
+
 def probe_gaps(draft_fixed_s: float, rounds: int = 400) -> list[int]:
     """Rounds between probes in one long request whose drafts are all rejected:
     drafting costs ``draft_fixed_s`` + 0.2 ms per token, verifying 6 ms."""

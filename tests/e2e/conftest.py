@@ -20,3 +20,12 @@ def models(tmp_path_factory):
     draft = make_noisy_copy(target, root / "draft", noise=0.05, seed=1)
     add_byte_tokenizer(draft)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """In-process decoders on the same directories: target-only, and the pair."""
+    from specdec import SpeculativeDecoder
+
+    target, draft = models
+    return SpeculativeDecoder(target=target), SpeculativeDecoder(target=target, draft=draft)

@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from specdec import SamplingParams, SpeculativeDecoder
+from specdec import SamplingParams
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
@@ -79,13 +79,6 @@ def cluster(models, tmp_path_factory):
     finally:
         for p in procs.values():
             p.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(models):
-    """In-process decoders on the same directories: target-only, and the pair."""
-    target, draft = models
-    return SpeculativeDecoder(target=target), SpeculativeDecoder(target=target, draft=draft)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from test_e2e import Proc, greedy_ref, model_service
 
-from specdec import SpeculativeDecoder
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta
 
@@ -43,11 +42,6 @@ def pools(models, tmp_path_factory):
     finally:
         for p in procs.values():
             p.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(models):
-    return (SpeculativeDecoder(target=models[0]),)  # as greedy_ref takes it
 
 
 def holding(procs, role, names):
@@ -114,6 +108,21 @@ def test_new_sessions_spread_over_the_replicas(pools):
         time.sleep(0.5)
     assert sorted(held.values()) == [1, 1, 1], held
     wait_idle(pools)
+
+
+def test_loadtest_conversations_over_the_pools_match_target_only_decoding(pools):
+    """specdec loadtest's client: 4 sessions x 3 turns (named sessions, each
+    turn on the history of the ones before), every turn checked afterwards."""
+    from specdec.tools.loadtest import check_turns, run_load
+
+    prompts = [[100 + i, 101 + i, 102 + i, 103 + i] * 5 for i in range(4)]
+    request = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "gamma_policy": "adaptive"}
+    report, turns = run_load(pools["C"].address, prompts, sessions=4, requests=12, duration_s=None,
+                             request=request, turns=3)
+    assert report.requests == 12 and not report.errors
+    assert len(turns) == 12 and {len({t.session_id for t in turns})} == {4}
+    assert max(len(t.history) for t in turns) == 20 + 24 + 16 + 24  # the third turn's history
+    assert check_turns(pools["C"].address, turns, request) == 0
 
 
 def test_a_killed_target_mid_stream_costs_no_token(pools, reference):
