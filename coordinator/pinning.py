@@ -57,10 +57,15 @@ class Pinned:
         status = self.pool.get(self.replica.address)
         return status is self.replica and status.healthy and status.resolved
 
-    def failed(self, reason: str) -> None:
-        """A call to the current replica failed (it died, or refused as it drains)."""
+    # A replica that ran a call out of its deadline is out this long: it may
+    # answer health checks while every call to it hangs.
+    HUNG_HOLD_OUT_S = 30.0
+
+    def failed(self, reason: str, hung: bool = False) -> None:
+        """A call to the current replica failed (it died, refused as it drains,
+        or ran out its deadline: ``hung``)."""
         if self.replica is not None:
-            self.pool.report_failure(self.replica.address, reason)
+            self.pool.report_failure(self.replica.address, reason, self.HUNG_HOLD_OUT_S if hung else 0.0)
 
     def move(self, cause: str, accept: Callable[[Replica], bool] = lambda r: True,
              exclude: Iterable[str] = ()) -> bool:

@@ -217,6 +217,9 @@ class Replica:
     # Out only because a call failed, no health check since: with no healthy
     # replica left, it is still worth a try (a blip, or a restart).
     suspect: bool = False
+    # A replica that ran a call out of its deadline (hung, yet perhaps still
+    # answering health checks) stays out until then, whatever they say.
+    out_until: float = float("-inf")
 
 
 class ReplicaStatus(NamedTuple):
@@ -356,14 +359,16 @@ class ReplicaPool:
 
     # -------------------------------------------------------------- health
 
-    def report_failure(self, address: str, reason: str = "a call failed") -> None:
+    def report_failure(self, address: str, reason: str = "a call failed", hold_out_s: float = 0.0) -> None:
         """A call could not reach the replica or it refused work (UNAVAILABLE, a
-        deadline): it takes no new session until a health check says SERVING.
+        deadline): it takes no new session until a health check says SERVING,
+        and not before ``hold_out_s`` from now (a replica that hung).
         Errors of the request itself (NOT_FOUND, INVALID_ARGUMENT) are no reason."""
         with self._lock:
             replica = self._replicas.get(address)
             if replica is not None:
-                replica.suspect = replica.healthy or replica.suspect
+                replica.suspect = (replica.healthy or replica.suspect) and not hold_out_s
+                replica.out_until = max(replica.out_until, self._clock() + hold_out_s)
                 self._set_health(replica, False, reason)
 
     def report_success(self, address: str) -> None:
@@ -383,6 +388,8 @@ class ReplicaPool:
         answers = [(r, wait()) for r, wait in waiting]
         with self._lock:
             for replica, (healthy, reason) in answers:
+                if healthy and self._clock() < replica.out_until:
+                    continue  # it hung on a call: out for a while, whatever its health says
                 self._set_health(replica, healthy, reason)
                 replica.suspect = False
         return self.snapshot()

@@ -309,7 +309,8 @@ class RemoteProposer:
         if code not in REPLICA_FAILURES and code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return False
         if code in REPLICA_FAILURES:
-            self.pinned.failed(f"Propose failed ({code.name}): {_details(e)}")
+            self.pinned.failed(f"Propose failed ({code.name}): {_details(e)}",
+                               hung=code == grpc.StatusCode.DEADLINE_EXCEEDED)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 client.timed_out_at = time.monotonic()
         log.warning("%s: draft service at %s failed Propose (%s: %s): this round verifies the %d drafts that "
@@ -364,7 +365,8 @@ class RemoteVerifier:
                 break
             except grpc.RpcError as e:
                 if e.code() in REPLICA_FAILURES:
-                    self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}")
+                    self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}",
+                                       hung=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
                     if _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
                         refill = True
                         continue

@@ -550,7 +550,7 @@ def test_unreachable_service_is_unavailable_naming_it():
     cfg = CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2", info_timeout_s=0.5)
     engine = Coordinator(cfg)
     try:
-        with pytest.raises(errors.Unavailable, match="draft (service at|replica: )127.0.0.1:1"):
+        with pytest.raises(errors.Unavailable, match=r"draft (service at |replica: )127\.0\.0\.1:1"):
             run(engine, prompt_ids=(1,), max_new_tokens=2)
     finally:
         engine.close()

@@ -347,3 +347,17 @@ def test_closed_channel_and_broken_checker_are_reasons(health_server):
 
     other = fake_pool("a:1", checker=broken)
     assert other.check_now() == [ReplicaStatus("a:1", False, 0, "health check failed: RuntimeError: boom")]
+
+
+def test_a_replica_that_hung_stays_out_while_its_health_still_says_serving():
+    now = [0.0]
+    pool = fake_pool("a:1,b:2", clock=lambda: now[0])
+    pool.report_failure("a:1", "Verify failed (DEADLINE_EXCEEDED)", hold_out_s=30.0)
+    pool.check_now()  # SERVING, yet every call to it hangs
+    assert {pool.pick(pin=False).address for _ in range(3)} == {"b:2"}
+    pool.report_failure("b:2", "Verify failed (UNAVAILABLE)")
+    with pytest.raises(errors.Unavailable):  # a hung replica is no fallback
+        pool.pick(exclude={"b:2"})
+    now[0] = 31.0
+    pool.check_now()
+    assert {s.address for s in pool.snapshot() if s.healthy} == {"a:1", "b:2"}
