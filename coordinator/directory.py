@@ -65,6 +65,7 @@ class SessionRecord:
 
     session_id: str
     tokens: list[int] = dataclasses.field(default_factory=list)  # committed history
+    owner: str = ""  # the client that created it, when the coordinator authenticates clients
     # The replicas the session is pinned to (their addresses) and the prefix of
     # ``tokens`` each is known to hold.
     draft_replica: str = ""

@@ -40,7 +40,7 @@ from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
 from coordinator.turn import Services, Turn, open_record
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
-from specdec.serving import errors
+from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
@@ -114,6 +114,7 @@ class Coordinator:
             if lease is None:
                 return
             record = open_record(self.directory, job.session_id)
+            claim(record, auth.current_client())
             with self._pinned(record, request) as services:
                 pair = self.pairs.get(*services.clients())
                 request = self.checks.validate(job, pair)  # again: these replicas may serve other limits
@@ -180,6 +181,7 @@ class Coordinator:
             record = self.directory.get(session_id)
             if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
+            claim(record, auth.current_client())
             self.directory.delete(session_id, lease)
             for role in ("draft", "target"):
                 replica = self.pools[role].get(getattr(record, f"{role}_replica"))
@@ -191,6 +193,18 @@ class Coordinator:
         for pool in self.pools.values():
             pool.close()
         self.directory.close()
+
+
+def claim(record: SessionRecord, client: str) -> None:
+    """A named session belongs to the client that created it: another client
+    naming it is refused (PERMISSION_DENIED), never shown its history. Without
+    authentication (client "") there are no owners."""
+    if not client:
+        return
+    if record.owner and record.owner != client:
+        raise errors.PermissionDenied(f"session {record.session_id!r} belongs to another client: choose another "
+                                      f"session id")
+    record.owner = client
 
 
 def continue_session(policy, record: SessionRecord, key: tuple) -> None:

@@ -106,6 +106,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     from coordinator.engine import Coordinator
     from coordinator.service import CoordinatorServicer
     from specdec.models.tokenizer import load_tokenizer
+    from specdec.serving.auth import parse_tokens
 
     tok_dir = tokenizer_dir(config)
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
@@ -121,8 +122,10 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
             telemetry.close()
         raise
     executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
+    tokens = parse_tokens(config.auth_tokens, config.auth_tokens_file)
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
-                        metrics=telemetry.metrics if telemetry else None)
+                        metrics=telemetry.metrics if telemetry else None, tokens=tokens,
+                        reflection=config.reflection)
     servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
@@ -134,8 +137,9 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     await server.start()
     await server.set_serving(await directory_reachable(engine.directory))
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
-             "sessions %s)", config.host, port, config.draft, config.target, tok_dir or "none",
-             f"in Redis at {engine.directory.where}" if config.redis else "in memory")
+             "sessions %s, %s)", config.host, port, config.draft, config.target, tok_dir or "none",
+             f"in Redis at {engine.directory.where}" if config.redis else "in memory",
+             f"{len(tokens.by_digest)} clients by token" if tokens else "no authentication")
     def checked(future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is not None:  # not fatal: Generate checks again
             log.warning("model pair not checked yet (%s); will check at the first request", future.exception())

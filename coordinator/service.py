@@ -108,8 +108,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     pass  # the cleanup goes on in its thread
 
     async def CloseSession(self, request, context):
+        # In this call's context: the engine reads the authenticated client from it.
         existed = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.engine.close_session, request.session_id
+            self.executor, contextvars.copy_context().run, self.engine.close_session, request.session_id
         )
         return pb.CloseSessionResponse(existed=existed)
 

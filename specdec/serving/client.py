@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,11 +61,16 @@ class Completion:
     stats: Stats
 
 
+TOKEN_ENV = "SPECDEC_TOKEN"
+
+
 class Client:
-    """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``)."""
+    """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``).
+    ``token``: the bearer token of a coordinator that authenticates its clients
+    (default: the ``SPECDEC_TOKEN`` environment variable, if set)."""
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = 64 << 20, failover_s: float | None = None):
+                 max_message_bytes: int = 64 << 20, failover_s: float | None = None, token: str | None = None):
         # One address, several, or several in one string: "c1:50051,c2:50051".
         parts = address.split(",") if isinstance(address, str) else list(address)
         self.addresses = [a.strip() for a in parts if a.strip()]
@@ -84,6 +90,8 @@ class Client:
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0  # the coordinator calls go to, until it fails
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     @property
     def address(self) -> str:
@@ -139,7 +147,7 @@ class Client:
         """One turn's events, through the next coordinator when one fails (see the module docstring)."""
         received, give_up_at = 0, None  # deltas received; when to stop failing over
         while True:
-            call = self._stub.Generate(convert.generate_request(job), timeout=timeout)
+            call = self._stub.Generate(convert.generate_request(job), timeout=timeout, metadata=self._metadata)
             try:
                 for message in call:
                     event = convert.event_from_proto(message)
@@ -188,7 +196,7 @@ class Client:
         try:
             return self._stub.CloseSession(
                 pb.CloseSessionRequest(session_id=session_id),
-                timeout=timeout if timeout is not None else self.timeout,
+                timeout=timeout if timeout is not None else self.timeout, metadata=self._metadata,
             ).existed
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None

@@ -37,6 +37,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 
 from specdec.core.gamma import parse_gamma_policy, parse_gamma_spec
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
+from specdec.serving.auth import parse_tokens
 
 MiB = 1 << 20
 ROLE_ONLY = {"role_only": True}
@@ -71,6 +72,8 @@ class BaseServiceConfig(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)",
         json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
+    reflection: bool = Field(True, description="serve gRPC server reflection (grpcurl can list and call the "
+                             "services); --no-reflection hides the schema")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -193,6 +196,13 @@ class CoordinatorConfig(BaseServiceConfig):
     redis_ttl_s: float = Field(
         86400.0, gt=0, description="with --redis: a session idle this long is forgotten there (each turn "
         "restarts the clock)", json_schema_extra={"flag": "--redis-ttl", "metavar": "SECONDS"})
+    auth_tokens: str = Field(
+        "", description="clients that may call, as NAME:TOKEN,NAME:TOKEN (set it in the environment, not on the "
+        "command line); each client's named sessions are its own. Empty, with no --auth-tokens-file: no "
+        "authentication", repr=False, json_schema_extra={"metavar": "NAME:TOKEN,...", **ROLE_ONLY})
+    auth_tokens_file: str = Field(
+        "", description="clients that may call, one 'NAME TOKEN' a line (# comments), with --auth-tokens",
+        json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
     lease_s: float = Field(
         5.0, gt=0, description="with --redis: how long a session stays leased to a coordinator that stopped "
         "renewing it (died); a resumed turn waits up to this long to take the session over",
@@ -210,6 +220,11 @@ class CoordinatorConfig(BaseServiceConfig):
                 raise ValueError(f"must be HOST:PORT, a comma-separated list of them, or a gRPC target such as "
                                  f"unix:PATH or dns:///NAME:PORT{where}")
         return value
+
+    @model_validator(mode="after")
+    def _tokens_parse(self):
+        parse_tokens(self.auth_tokens, self.auth_tokens_file)  # a bad file fails at start-up, naming no token
+        return self
 
     @field_validator("redis")
     @classmethod

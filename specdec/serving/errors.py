@@ -14,6 +14,8 @@ SessionNotFound             NOT_FOUND
 PositionMismatch            FAILED_PRECONDITION
 FailedPrecondition          FAILED_PRECONDITION
 ResourceExhausted           RESOURCE_EXHAUSTED
+Unauthenticated             UNAUTHENTICATED
+PermissionDenied            PERMISSION_DENIED
 Draining, Unavailable       UNAVAILABLE
 TimeoutError                DEADLINE_EXCEEDED
 grpc.aio.AioRpcError        its own code (a downstream call failed)
@@ -81,6 +83,18 @@ class ResourceExhausted(SpecdecError):
         self.retry_after_s = retry_after_s
 
 
+class Unauthenticated(SpecdecError):
+    """No credentials, or ones the server does not accept."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SpecdecError):
+    """An authenticated client asked for what is not its own (another's session)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(SpecdecError):
     """Try again later or elsewhere (e.g. the model is still loading)."""
 
@@ -97,6 +111,8 @@ _BY_CODE = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

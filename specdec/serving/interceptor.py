@@ -30,7 +30,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from specdec.serving.errors import status_for, trailing_metadata
+from specdec.serving import auth
+from specdec.serving.errors import SpecdecError, status_for, trailing_metadata
 from specdec.telemetry import tracing
 from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
 from specdec.telemetry.server_spans import record_timing, start_server_span
@@ -39,30 +40,38 @@ log = logging.getLogger(__name__)
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: RpcMetrics | None = None):
-        self.metrics = metrics
+    """``tokens``: the clients that may call (None: anyone); every RPC but
+    health then needs a token (:mod:`specdec.serving.auth`)."""
+
+    def __init__(self, metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None):
+        self.metrics, self.tokens = metrics, tokens
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
             return handler
         method = handler_call_details.method
+        tokens = None if method.startswith(auth.OPEN_SERVICES) else self.tokens
+        if handler.request_streaming:  # reflection: no spans, but no way around the token either
+            return handler if tokens is None else _checked_bidi(handler, tokens)
         if handler.response_streaming:
             behavior = handler.unary_stream
             # A coroutine that writes its replies with context.write() (health's Watch) is wrapped as unary.
             wrap = self._stream if inspect.isasyncgenfunction(behavior) else self._unary
             return grpc.unary_stream_rpc_method_handler(
-                wrap(behavior, method), request_deserializer=handler.request_deserializer,
+                wrap(behavior, method, tokens), request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
-            self._unary(handler.unary_unary, method), request_deserializer=handler.request_deserializer,
+            self._unary(handler.unary_unary, method, tokens), request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
 
-    def _unary(self, behavior, full_method: str):
+    def _unary(self, behavior, full_method: str, tokens: auth.Tokens | None):
         async def unary(request, context):
             call = _Call(self.metrics, full_method)
+            client = None
             try:
                 call.start_span(context)
+                client = tokens.enter(context.invocation_metadata()) if tokens is not None else None
                 response = await behavior(request, context)
                 call.answered(request, _timing(response), 1, response)
                 return response
@@ -70,16 +79,19 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 await call.failed(exc, context)
                 raise
             finally:
+                if client is not None:
+                    auth.leave(client)
                 call.end()
 
         return unary
 
-    def _stream(self, behavior, full_method: str):
+    def _stream(self, behavior, full_method: str, tokens: auth.Tokens | None):
         async def stream(request, context):
             call = _Call(self.metrics, full_method)
-            count, timing = 0, None
+            count, timing, client = 0, None, None
             try:
                 call.start_span(context)
+                client = tokens.enter(context.invocation_metadata()) if tokens is not None else None
                 async for message in behavior(request, context):
                     count += 1
                     timing = _timing(message) or timing
@@ -89,9 +101,28 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 await call.failed(exc, context)
                 raise
             finally:
+                if client is not None:
+                    with contextlib.suppress(ValueError):  # closed from another context (see _Call.end)
+                        auth.leave(client)
                 call.end()
 
         return stream
+
+
+def _checked_bidi(handler, tokens: auth.Tokens):
+    """A request-streaming handler (reflection) behind the token check."""
+    behavior = handler.stream_stream
+
+    async def bidi(request_iterator, context):
+        try:
+            tokens.client(context.invocation_metadata())
+        except SpecdecError as e:
+            await context.abort(e.code, str(e), trailing_metadata=trailing_metadata(e))
+        async for message in behavior(request_iterator, context):
+            yield message
+
+    return grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=handler.request_deserializer,
+                                                 response_serializer=handler.response_serializer)
 
 
 class _Call:

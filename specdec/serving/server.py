@@ -34,8 +34,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
 
+from specdec.serving import auth
 from specdec.serving.interceptor import ServiceInterceptor
 from specdec.telemetry.metrics import RpcMetrics
 
@@ -85,13 +86,14 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 class GrpcServer:
     """A grpc.aio server with health, reflection, the one interceptor and limits.
-    ``metrics``: the service's RPC metrics (None: not counted)."""
+    ``metrics``: the service's RPC metrics (None: not counted); ``tokens``: the
+    clients that may call (None: anyone); ``reflection``: serve gRPC reflection."""
 
     def __init__(self, service_names: Sequence[str], *, max_message_bytes: int = 64 << 20,
-                 metrics: RpcMetrics | None = None):
+                 metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None, reflection: bool = True):
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(metrics)],
+            interceptors=[ServiceInterceptor(metrics, tokens)],
             options=[
                 *channel_options(max_message_bytes),
                 # Fail loudly if the port is taken, instead of sharing it silently.
@@ -100,9 +102,10 @@ class GrpcServer:
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        if reflection:
+            grpc_reflection.enable_server_reflection(
+                [*self.service_names, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME], self.server
+            )
         self.port: int | None = None
         self.address: str | None = None
         self.draining = False

@@ -1,0 +1,103 @@
+"""Client authentication end to end: a coordinator started with bearer tokens
+refuses every RPC but health without a valid one, and a named session belongs
+to the client that created it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from test_e2e import Proc, greedy_ref, model_service
+
+from specdec.proto import specdec_pb2 as pb
+from specdec.serving import errors
+from specdec.serving.client import Client
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
+IDS = [100, 101, 102]
+
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory):
+    target, draft = models
+    logdir = tmp_path_factory.mktemp("auth-logs")
+    tokens = logdir / "tokens"
+    tokens.write_text(f"# who may call\nalice {ALICE}\nbob {BOB}\n")
+    procs = {}
+    try:
+        procs["D"] = model_service("draft", "draft", draft, logdir)
+        procs["T"] = model_service("target", "target", target, logdir)
+        common = ["coordinator", "--draft", procs["D"].address, "--target", procs["T"].address,
+                  "--tokenizer", str(target), "--auth-tokens-file", str(tokens)]
+        procs["C"] = Proc("coordinator", common, logdir)
+        procs["Cq"] = Proc("coordinator-no-reflection", [*common, "--no-reflection"], logdir)
+        for p in procs.values():
+            p.wait_serving()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def call_every_rpc(address: str, metadata=()) -> dict[str, grpc.StatusCode]:
+    """Each Coordinator RPC (from the service descriptor, so a new one cannot
+    slip past) with an empty request: the status it ends with."""
+    codes = {}
+    with grpc.insecure_channel(address) as channel:
+        for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+            path = f"/{method.containing_service.full_name}/{method.name}"
+            try:
+                if method.server_streaming:
+                    list(channel.unary_stream(path)(b"", metadata=metadata, timeout=10))
+                else:
+                    channel.unary_unary(path)(b"", metadata=metadata, timeout=10)
+                codes[method.name] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                codes[method.name] = e.code()
+    return codes
+
+
+def reflection_code(address: str, metadata=()) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        try:
+            list(stub.ServerReflectionInfo(iter([request]), metadata=metadata, timeout=10))
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+
+def test_every_rpc_but_health_needs_a_valid_token(stack):
+    address = stack["C"].address
+    for metadata in ((), (("authorization", "Bearer not-a-token-of-anyone"),), (("authorization", ALICE),)):
+        codes = call_every_rpc(address, metadata)
+        assert set(codes) >= {"Generate", "CloseSession"}
+        assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (metadata, codes)
+        assert reflection_code(address, metadata) == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(address) as channel:  # probes need no token
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert reflection_code(address, (("authorization", f"Bearer {ALICE}"),)) == grpc.StatusCode.OK
+    assert reflection_code(stack["Cq"].address, (("authorization", f"Bearer {ALICE}"),)) == \
+        grpc.StatusCode.UNIMPLEMENTED
+    log = stack["C"].log()
+    assert ALICE not in log and BOB not in log and "not-a-token-of-anyone" not in log
+
+
+def test_a_session_belongs_to_the_client_that_made_it(stack, reference):
+    address = stack["C"].address
+    with Client(address, timeout=60, token=ALICE) as alice, Client(address, timeout=60, token=BOB) as bob:
+        first = alice.complete(prompt_ids=IDS, max_new_tokens=8, session_id="chat-1")
+        with pytest.raises(errors.PermissionDenied, match="belongs to another client"):
+            bob.complete(prompt_ids=[33], max_new_tokens=8, session_id="chat-1")
+        with pytest.raises(errors.PermissionDenied):
+            bob.close_session("chat-1")
+        assert bob.complete(prompt_ids=[33], max_new_tokens=4, session_id="chat-2").stats.history_tokens == 0
+        second = alice.complete(prompt_ids=[33], max_new_tokens=8, session_id="chat-1")
+        assert second.stats.history_tokens == len(IDS) + 8  # bob changed nothing of it
+        assert second.token_ids == greedy_ref(reference, IDS + first.token_ids + [33], 8)
+        assert alice.close_session("chat-1") is True
+    with Client(address, timeout=60) as nobody, pytest.raises(errors.Unauthenticated, match="no credentials"):
+        nobody.complete(prompt_ids=IDS, max_new_tokens=4)
