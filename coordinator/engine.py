@@ -43,6 +43,7 @@ from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
+from specdec.serving.tls import channel_credentials
 from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
 
 log = logging.getLogger("specdec.coordinator")
@@ -219,9 +220,13 @@ def make_pool(role: str, config: CoordinatorConfig, metrics=None) -> ReplicaPool
     """The ``--draft`` or ``--target`` replicas, one ServiceClient each."""
     pools: list[ReplicaPool] = []
 
+    credentials = channel_credentials(config.upstream_ca, config.upstream_cert, config.upstream_key) \
+        if config.upstream_ca else None
+
     def client(address: str) -> ServiceClient:
         made = ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
-                             info_timeout_s=config.info_timeout_s, metrics=metrics)
+                             info_timeout_s=config.info_timeout_s, metrics=metrics, credentials=credentials,
+                             server_name=config.upstream_server_name)
         # A dropped connection (the process died or stopped) takes the replica
         # out at once, not at the next health sweep.
         made.on_connection_lost(lambda: pools and pools[0].report_failure(address, "its connection dropped"))

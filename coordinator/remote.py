@@ -61,12 +61,17 @@ CHANNEL_OPTIONS = [
 class ServiceClient:
     """One draft or target service: channel, stub, deadlines, error translation."""
 
-    def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float, metrics=None):
+    def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float, metrics=None,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
         self.role = role  # "draft" | "target"
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.info_timeout_s = info_timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if credentials is None:
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:  # TLS; the name its certificate must carry, when the address (an IP) is not it
+            named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self.channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + named)
         stub_cls = pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub
         self.stub = stub_cls(self.channel)
         # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).

@@ -125,7 +125,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     tokens = parse_tokens(config.auth_tokens, config.auth_tokens_file)
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         metrics=telemetry.metrics if telemetry else None, tokens=tokens,
-                        reflection=config.reflection)
+                        reflection=config.reflection, tls=config.server_tls, peers=config.peer_identities)
     servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:

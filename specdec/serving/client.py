@@ -44,6 +44,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert, errors
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
+from specdec.serving.tls import channel_credentials
 
 DEFAULT_ADDRESS = "localhost:50051"
 
@@ -67,10 +68,13 @@ TOKEN_ENV = "SPECDEC_TOKEN"
 class Client:
     """A connection to a coordinator (``specdec coordinator`` / ``specdec serve``).
     ``token``: the bearer token of a coordinator that authenticates its clients
-    (default: the ``SPECDEC_TOKEN`` environment variable, if set)."""
+    (default: the ``SPECDEC_TOKEN`` environment variable, if set). ``tls_ca``:
+    reach the coordinator over TLS, verified against this CA file (PEM), with
+    ``tls_cert`` / ``tls_key`` as the client's own certificate if it asks for one."""
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = 64 << 20, failover_s: float | None = None, token: str | None = None):
+                 max_message_bytes: int = 64 << 20, failover_s: float | None = None, token: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         # One address, several, or several in one string: "c1:50051,c2:50051".
         parts = address.split(",") if isinstance(address, str) else list(address)
         self.addresses = [a.strip() for a in parts if a.strip()]
@@ -87,7 +91,11 @@ class Client:
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        if tls_ca:
+            credentials = channel_credentials(tls_ca, tls_cert or "", tls_key or "")
+            self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
+        else:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._current = 0  # the coordinator calls go to, until it fails
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")

@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from specdec.core.gamma import parse_gamma_policy, parse_gamma_spec
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 from specdec.serving.auth import parse_tokens
+from specdec.serving.tls import ServerTls, check_files
 
 MiB = 1 << 20
 ROLE_ONLY = {"role_only": True}
@@ -74,6 +75,32 @@ class BaseServiceConfig(BaseSettings):
         json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
     reflection: bool = Field(True, description="serve gRPC server reflection (grpcurl can list and call the "
                              "services); --no-reflection hides the schema")
+    tls_cert: str = Field("", description="serve TLS with this certificate (PEM; with --tls-key); re-read when "
+                          "the file changes", json_schema_extra={"metavar": "FILE"})
+    tls_key: str = Field("", description="the private key of --tls-cert (PEM)", json_schema_extra={"metavar": "FILE"})
+    tls_ca: str = Field("", description="mutual TLS: clients must present a certificate signed by this CA (PEM)",
+                        json_schema_extra={"metavar": "FILE"})
+    tls_peer_identity: str = Field(
+        "", description="with --tls-ca: accept only clients whose certificate names one of these identities "
+        "(comma-separated SAN values, e.g. spiffe://cluster/ns/specdec/sa/coordinator)",
+        json_schema_extra={"metavar": "IDS"})
+
+    @model_validator(mode="after")
+    def _tls_complete(self):
+        check_files({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca,
+                     "--tls-peer-identity": self.tls_peer_identity},
+                    {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",), "--tls-ca": ("--tls-cert",),
+                     "--tls-peer-identity": ("--tls-ca",)})
+        return self
+
+    @property
+    def server_tls(self) -> ServerTls | None:
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_ca) if self.tls_cert else None
+
+    @property
+    def peer_identities(self) -> frozenset[str] | None:
+        ids = frozenset(i.strip() for i in self.tls_peer_identity.split(",") if i.strip())
+        return ids or None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -203,6 +230,16 @@ class CoordinatorConfig(BaseServiceConfig):
     auth_tokens_file: str = Field(
         "", description="clients that may call, one 'NAME TOKEN' a line (# comments), with --auth-tokens",
         json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
+    upstream_ca: str = Field(
+        "", description="reach the draft and target services over TLS, verified against this CA (PEM)",
+        json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
+    upstream_cert: str = Field("", description="mutual TLS to the model services: the coordinator's certificate "
+                               "(with --upstream-key)", json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
+    upstream_key: str = Field("", description="the private key of --upstream-cert",
+                              json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
+    upstream_server_name: str = Field(
+        "", description="with --upstream-ca: the name the model services' certificates must carry, when their "
+        "addresses (IPs from dns:///) do not", json_schema_extra={"metavar": "NAME", **ROLE_ONLY})
     lease_s: float = Field(
         5.0, gt=0, description="with --redis: how long a session stays leased to a coordinator that stopped "
         "renewing it (died); a resumed turn waits up to this long to take the session over",
@@ -220,6 +257,14 @@ class CoordinatorConfig(BaseServiceConfig):
                 raise ValueError(f"must be HOST:PORT, a comma-separated list of them, or a gRPC target such as "
                                  f"unix:PATH or dns:///NAME:PORT{where}")
         return value
+
+    @model_validator(mode="after")
+    def _upstream_tls_complete(self):
+        check_files({"--upstream-ca": self.upstream_ca, "--upstream-cert": self.upstream_cert,
+                     "--upstream-key": self.upstream_key, "--upstream-server-name": self.upstream_server_name},
+                    {"--upstream-cert": ("--upstream-key", "--upstream-ca"), "--upstream-key": ("--upstream-cert",),
+                     "--upstream-server-name": ("--upstream-ca",)})
+        return self
 
     @model_validator(mode="after")
     def _tokens_parse(self):

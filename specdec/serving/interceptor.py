@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -31,7 +32,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec.serving import auth
-from specdec.serving.errors import SpecdecError, status_for, trailing_metadata
+from specdec.serving.errors import PermissionDenied, SpecdecError, status_for, trailing_metadata
+from specdec.serving.tls import peer_identities
 from specdec.telemetry import tracing
 from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
 from specdec.telemetry.server_spans import record_timing, start_server_span
@@ -43,16 +45,18 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """``tokens``: the clients that may call (None: anyone); every RPC but
     health then needs a token (:mod:`specdec.serving.auth`)."""
 
-    def __init__(self, metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None):
-        self.metrics, self.tokens = metrics, tokens
+    def __init__(self, metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None,
+                 peers: frozenset[str] | None = None):
+        self.metrics, self.tokens, self.peers = metrics, tokens, peers
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
         method = handler_call_details.method
-        tokens = None if method.startswith(auth.OPEN_SERVICES) else self.tokens
-        if handler.request_streaming:  # reflection: no spans, but no way around the token either
+        guarded = (self.tokens is not None or self.peers is not None) and not method.startswith(auth.OPEN_SERVICES)
+        tokens = _Guard(self.peers, self.tokens) if guarded else None
+        if handler.request_streaming:  # reflection: no spans, but no way around the checks either
             return handler if tokens is None else _checked_bidi(handler, tokens)
         if handler.response_streaming:
             behavior = handler.unary_stream
@@ -65,13 +69,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             self._unary(handler.unary_unary, method, tokens), request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
 
-    def _unary(self, behavior, full_method: str, tokens: auth.Tokens | None):
+    def _unary(self, behavior, full_method: str, tokens: _Guard | None):
         async def unary(request, context):
             call = _Call(self.metrics, full_method)
             client = None
             try:
                 call.start_span(context)
-                client = tokens.enter(context.invocation_metadata()) if tokens is not None else None
+                client = tokens.enter(context) if tokens is not None else None
                 response = await behavior(request, context)
                 call.answered(request, _timing(response), 1, response)
                 return response
@@ -85,13 +89,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _stream(self, behavior, full_method: str, tokens: auth.Tokens | None):
+    def _stream(self, behavior, full_method: str, tokens: _Guard | None):
         async def stream(request, context):
             call = _Call(self.metrics, full_method)
             count, timing, client = 0, None, None
             try:
                 call.start_span(context)
-                client = tokens.enter(context.invocation_metadata()) if tokens is not None else None
+                client = tokens.enter(context) if tokens is not None else None
                 async for message in behavior(request, context):
                     count += 1
                     timing = _timing(message) or timing
@@ -109,13 +113,32 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return stream
 
 
-def _checked_bidi(handler, tokens: auth.Tokens):
-    """A request-streaming handler (reflection) behind the token check."""
+@dataclasses.dataclass(frozen=True)
+class _Guard:
+    """Who may call: with mutual TLS, a peer whose certificate names one of
+    ``peers``; with tokens, a known bearer token (its client made current)."""
+
+    peers: frozenset[str] | None
+    tokens: auth.Tokens | None
+
+    def enter(self, context) -> contextvars.Token | None:
+        if self.peers is not None:
+            names = peer_identities(context)
+            if not names & self.peers:
+                raise PermissionDenied(f"the peer's certificate names {sorted(names) or 'no identity'}, none of "
+                                       f"the identities this service accepts (--tls-peer-identity)")
+        return self.tokens.enter(context.invocation_metadata()) if self.tokens is not None else None
+
+
+def _checked_bidi(handler, tokens: _Guard):
+    """A request-streaming handler (reflection) behind the checks."""
     behavior = handler.stream_stream
 
     async def bidi(request_iterator, context):
         try:
-            tokens.client(context.invocation_metadata())
+            client = tokens.enter(context)
+            if client is not None:
+                auth.leave(client)
         except SpecdecError as e:
             await context.abort(e.code, str(e), trailing_metadata=trailing_metadata(e))
         async for message in behavior(request_iterator, context):

@@ -331,7 +331,8 @@ async def start_model_service(
     if telemetry is not None:  # first: a busy metrics port fails before anything listens
         telemetry.serve_metrics(config.host, sessions=lambda: host.sessions.stats() if host.sessions else None)
     server = GrpcServer([SERVICE_NAMES[config.role]], max_message_bytes=config.max_message_bytes,
-                        metrics=telemetry.metrics if telemetry else None, reflection=config.reflection)
+                        metrics=telemetry.metrics if telemetry else None, reflection=config.reflection,
+                        tls=config.server_tls, peers=config.peer_identities)
     add_servicer(host, server.server)
     port = await bind_or_close(server, config.host, config.port, telemetry)
     await server.start()

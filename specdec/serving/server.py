@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
 import time
@@ -38,6 +39,7 @@ from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from specdec.serving import auth
 from specdec.serving.interceptor import ServiceInterceptor
+from specdec.serving.tls import ServerTls, server_credentials
 from specdec.telemetry.metrics import RpcMetrics
 
 log = logging.getLogger(__name__)
@@ -87,13 +89,17 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class GrpcServer:
     """A grpc.aio server with health, reflection, the one interceptor and limits.
     ``metrics``: the service's RPC metrics (None: not counted); ``tokens``: the
-    clients that may call (None: anyone); ``reflection``: serve gRPC reflection."""
+    clients that may call (None: anyone); ``reflection``: serve gRPC reflection;
+    ``tls``: serve TLS only (None: plaintext); ``peers``: with mutual TLS, the
+    client certificate identities accepted (None: any the CA signed)."""
 
     def __init__(self, service_names: Sequence[str], *, max_message_bytes: int = 64 << 20,
-                 metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None, reflection: bool = True):
+                 metrics: RpcMetrics | None = None, tokens: auth.Tokens | None = None, reflection: bool = True,
+                 tls: ServerTls | None = None, peers: frozenset[str] | None = None):
         self.service_names = list(service_names)
+        self.tls = tls
         self.server = grpc.aio.server(
-            interceptors=[ServiceInterceptor(metrics, tokens)],
+            interceptors=[ServiceInterceptor(metrics, tokens, peers)],
             options=[
                 *channel_options(max_message_bytes),
                 # Fail loudly if the port is taken, instead of sharing it silently.
@@ -115,7 +121,13 @@ class GrpcServer:
         """Listen on ``host:port`` (port 0: any free port). Returns the bound port."""
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:
-            bound = self.server.add_insecure_port(address)
+            if self.tls is not None:
+                bound = self.server.add_secure_port(address, server_credentials(self.tls))
+            else:
+                bound = self.server.add_insecure_port(address)
+                if not is_loopback(host):
+                    log.warning("listening on %s without TLS: anyone who reaches it may call; give --tls-cert "
+                                "and --tls-key (and --tls-ca for mutual TLS)", address)
         except RuntimeError:  # grpc raises RuntimeError when it cannot bind (and logs why)
             raise OSError(f"cannot listen on {address}: the port is in use, or the host is not "
                           f"an address of this machine") from None
@@ -161,6 +173,13 @@ class GrpcServer:
         """Stop at once (tests)."""
         self.draining = True
         await self.server.stop(None)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def bind_or_close(server: GrpcServer, host: str, port: int, telemetry=None) -> int:

@@ -1,0 +1,113 @@
+"""TLS for every hop, and mutual TLS between the coordinator and the model services.
+
+A service given ``--tls-cert`` and ``--tls-key`` serves TLS only; given
+``--tls-ca`` too, it asks every client for a certificate signed by that CA
+(mutual TLS), and with ``--tls-peer-identity`` accepts only clients whose
+certificate names one of those identities (a SAN: DNS name, URI such as a
+SPIFFE ID, or e-mail): a certificate from the same CA naming another identity
+is refused. The coordinator reaches model services over TLS when given
+``--upstream-ca`` (and presents ``--upstream-cert`` / ``--upstream-key``).
+
+The server re-reads its certificate, key and CA when their files change: the
+next connection uses the new ones, connections already open (and their
+streams) go on. Incomplete settings fail at start-up; nothing falls back to
+plaintext.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# What a peer's certificate names, as gRPC's auth context reports it.
+_IDENTITY_PROPERTIES = ("x509_subject_alternative_name", "x509_common_name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTls:
+    """A server's certificate and key, and the CA its clients must be signed by ("": none asked)."""
+
+    cert: str
+    key: str
+    ca: str = ""
+
+    def files(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.cert, self.key, self.ca) if f)
+
+
+def check_files(role_flags: dict[str, str], needs: dict[str, tuple[str, ...]]) -> None:
+    """Settings that only make sense together: ``needs[flag]`` are the flags
+    ``flag`` needs; each given file must exist. ValueError names the flags."""
+    for flag, value in role_flags.items():
+        if not value:
+            continue
+        missing = [other for other in needs.get(flag, ()) if not role_flags.get(other)]
+        if missing:
+            raise ValueError(f"{flag} needs {' and '.join(missing)} (TLS settings are never half applied)")
+        if flag != "--tls-peer-identity" and flag != "--upstream-server-name" and not os.path.isfile(value):
+            raise ValueError(f"{flag} {value}: no such file")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
+    """Credentials that re-read the files when they change, at the next handshake."""
+
+    def configuration() -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(tls.key), _read(tls.cert))], root_certificates=_read(tls.ca) if tls.ca else None)
+
+    lock = threading.Lock()
+    seen = {"stamp": _stamp(tls.files())}
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        stamp = _stamp(tls.files())
+        with lock:
+            if stamp == seen["stamp"]:
+                return None
+            seen["stamp"] = stamp
+        try:
+            new = configuration()
+        except (OSError, ValueError, RuntimeError) as e:  # a rotation half written: keep the last good one
+            log.warning("TLS files changed but could not be read (%s): keeping the certificate in use", e)
+            return None
+        log.info("TLS certificate files changed: new connections use the new certificate")
+        return new
+
+    return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
+                                               require_client_authentication=bool(tls.ca))
+
+
+def _stamp(files: tuple[str, ...]) -> tuple:
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """A client's TLS: the CA to verify the server with, and its own certificate (mutual TLS)."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key) if key else None,
+                                        certificate_chain=_read(cert) if cert else None)
+
+
+def peer_identities(context) -> set[str]:
+    """The identities the calling peer's certificate names (empty: none presented)."""
+    auth = context.auth_context() or {}
+    names: set[str] = set()
+    for prop in _IDENTITY_PROPERTIES:
+        names |= {v.decode() if isinstance(v, bytes) else str(v) for v in auth.get(prop, ())}
+    return names
