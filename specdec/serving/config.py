@@ -9,7 +9,7 @@ service's config class below: name, type, default, bounds and help
   side by side (``"role_only"``: ports, models, devices, addresses) are read
   only with the role's prefix;
 * validation, with messages naming the flag or the variable (:meth:`BaseServiceConfig.load`);
-* the README's flag tables (:func:`flag_table`): ``python -m specdec.serving.config --readme``
+* the flag tables of docs/settings.md (:func:`flag_table`): ``python -m specdec.serving.config --docs``
   rewrites them.
 
 Precedence, highest first: command-line flag > environment variable > default.
@@ -310,7 +310,7 @@ def _extra(cls: type[BaseServiceConfig], name: str) -> dict:
 
 
 def settings(cls: type[BaseServiceConfig]) -> list[tuple[str, FieldInfo]]:
-    """``cls``'s settings in the order ``--help`` and the README list them: the
+    """``cls``'s settings in the order ``--help`` and docs/settings.md list them: the
     service's own first, then those every service has."""
     return sorted(cls.model_fields.items(), key=lambda item: item[0] in BaseServiceConfig.model_fields)
 
@@ -326,7 +326,7 @@ def env_names(cls: type[BaseServiceConfig], name: str) -> list[str]:
 
 
 def shown_default(field: FieldInfo) -> str:
-    """The default as --help and the README show it ("" when the description says)."""
+    """The default as --help and docs/settings.md show it ("" when the description says)."""
     value = field.default
     if value is None:
         return ""
@@ -427,8 +427,8 @@ def flag_table(cls: type[BaseServiceConfig]) -> str:
     return "\n".join(rows)
 
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-README_COMMAND = "python -m specdec.serving.config --readme"
+SETTINGS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+DOCS_COMMAND = "python -m specdec.serving.config --docs"
 
 
 def with_flag_tables(text: str) -> str:
@@ -441,6 +441,6 @@ def with_flag_tables(text: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--readme"]:
-        sys.exit(f"usage: {README_COMMAND}  (rewrites the flag tables in {README})")
-    README.write_text(with_flag_tables(README.read_text(encoding="utf-8")), encoding="utf-8")
+    if sys.argv[1:] != ["--docs"]:
+        sys.exit(f"usage: {DOCS_COMMAND}  (rewrites the flag tables in {SETTINGS_DOC})")
+    SETTINGS_DOC.write_text(with_flag_tables(SETTINGS_DOC.read_text(encoding="utf-8")), encoding="utf-8")

@@ -1,5 +1,5 @@
 """The services' settings, each declared once in specdec/serving/config.py: the
-flags, environment variables, validation messages and README tables derived
+flags, environment variables, validation messages and docs/settings.md's tables derived
 from the declarations, and ``specdec serve`` starting its services from them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from specdec.cli import main
 from specdec.serving.config import (
     CONFIG_CLASSES,
-    README,
-    README_COMMAND,
+    DOCS_COMMAND,
+    SETTINGS_DOC,
     CoordinatorConfig,
     DraftConfig,
     TargetConfig,
@@ -133,12 +133,12 @@ def test_command_line_gives_the_values_back():
     assert {name: getattr(config, name) for name in values} == values
 
 
-def test_readme_flag_tables_match_the_declarations():
-    text = README.read_text(encoding="utf-8")
+def test_the_settings_page_flag_tables_match_the_declarations():
+    text = SETTINGS_DOC.read_text(encoding="utf-8")
     for role in CONFIG_CLASSES:
         assert f"<!-- BEGIN flags {role} -->" in text and f"<!-- END flags {role} -->" in text
     assert with_flag_tables(text) == text, \
-        f"README.md's flag tables differ from specdec/serving/config.py: run `{README_COMMAND}`"
+        f"docs/settings.md's flag tables differ from specdec/serving/config.py: run `{DOCS_COMMAND}`"
 
 
 def test_serve_without_a_tokenizer_serves_prompt_ids(tiny_pair, monkeypatch):
