@@ -43,6 +43,7 @@ from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
+from specdec.serving.names import check_name
 from specdec.serving.tls import channel_credentials
 from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
 
@@ -178,6 +179,7 @@ class Coordinator:
         """Forget a named session and free its state in both services."""
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
+        check_name(session_id, "session_id")
         with self.directory.hold(session_id) as lease:  # no Generate may start on it meanwhile
             record = self.directory.get(session_id)
             if record is None:

@@ -37,6 +37,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
 from specdec.serving import errors
+from specdec.serving.names import shown
 from specdec.serving.server import DRAFT_SERVICE, TARGET_SERVICE
 from specdec.telemetry.calls import ClientCalls, RpcRecord
 
@@ -122,11 +123,12 @@ class ServiceClient:
                                             timeout=min(1.0, self.info_timeout_s) if hung else self.info_timeout_s,
                                             metadata=call.metadata).existed
         except grpc.RpcError as e:
-            log.warning("EndSession(%s) on %s service %s failed: %s", session_id, self.role, self.address, _details(e))
+            log.warning("EndSession(%s) on %s service %s failed: %s", shown(session_id), self.role, self.address,
+                        _details(e))
             return False
         except ValueError as e:  # the channel is closed: the coordinator is shutting down
             log.warning("EndSession(%s) on %s service %s not sent: %s (the service frees it after its TTL)",
-                        session_id, self.role, self.address, e)
+                        shown(session_id), self.role, self.address, e)
             return False
 
     def translate(self, e: grpc.RpcError, method: str) -> Exception:
@@ -219,7 +221,7 @@ class _Retries:
             self.refilled = True
             self.before_refill(client)  # a lost session may mean another process: is it still the same model?
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",
-                     client.role, session_id, _details(e))
+                     client.role, shown(session_id), _details(e))
             return "refill"
         return None
 
@@ -319,7 +321,7 @@ class RemoteProposer:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 client.timed_out_at = time.monotonic()
         log.warning("%s: draft service at %s failed Propose (%s: %s): this round verifies the %d drafts that "
-                    "arrived%s", self.session.key, client.address, code.name, _details(e), yielded,
+                    "arrived%s", shown(self.session.key), client.address, code.name, _details(e), yielded,
                     "" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "; the next moves to another draft")
         return True
 

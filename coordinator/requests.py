@@ -14,8 +14,7 @@ from specdec.core.vocabulary import check_token_ids
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import GenerateJob
-
-MAX_SESSION_ID_LEN = 256
+from specdec.serving.names import check_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +62,8 @@ class RequestCheck:
             raise errors.InvalidRequest("both prompt and prompt_ids are set: give exactly one")
         if not job.prompt and not job.prompt_ids:
             raise errors.InvalidRequest("prompt is empty: give a prompt (text) or prompt_ids")
-        if len(job.session_id) > MAX_SESSION_ID_LEN:
-            raise errors.InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
-        if len(job.turn_id) > MAX_SESSION_ID_LEN:
-            raise errors.InvalidRequest(f"turn_id is longer than {MAX_SESSION_ID_LEN} characters")
+        check_name(job.session_id, "session_id")
+        check_name(job.turn_id, "turn_id")
         if job.resume_after is not None and not (job.session_id and job.turn_id):
             raise errors.InvalidRequest("resume_after needs the session_id and turn_id of the turn to resume")
         cap = self.config.max_new_tokens_cap

@@ -168,20 +168,55 @@ class Stack:
             mask = (cpus or {}).get(role)
             return {"preexec_fn": lambda: os.sched_setaffinity(0, mask)} if mask else {}
 
+        self._launch: dict[str, tuple[list[str], dict]] = {}  # how each role is started (again)
+        self._started: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # restarts since the role last ran a minute
+        self._due: dict[str, float] = {}  # when a dead role is started again
+        for role, config, model in (("draft", DraftConfig, draft), ("target", TargetConfig, target)):
+            flags = command_line(config, model=model, device=devices[role], port=ports[role],
+                                 metrics_port=metrics_ports.get(role), **common)
+            self._launch[role] = ([*cli, f"{role}-service", *flags], dict(env=envs[role], **kw, **pinned(role)))
+        flags = command_line(CoordinatorConfig, draft=self.address("draft"), target=self.address("target"),
+                             tokenizer=coordinator_tokenizer(tokenizer, target), port=ports["coordinator"],
+                             metrics_port=metrics_ports.get("coordinator"), **common)
+        self._launch["coordinator"] = ([*cli, "coordinator", *flags], dict(env=child_env(1), **kw,
+                                                                           **pinned("coordinator")))
         try:
-            for role, config, model in (("draft", DraftConfig, draft), ("target", TargetConfig, target)):
-                flags = command_line(config, model=model, device=devices[role], port=ports[role],
-                                     metrics_port=metrics_ports.get(role), **common)
-                self.procs[role] = subprocess.Popen([*cli, f"{role}-service", *flags], env=envs[role], **kw,
-                                                    **pinned(role))
-            flags = command_line(CoordinatorConfig, draft=self.address("draft"), target=self.address("target"),
-                                 tokenizer=coordinator_tokenizer(tokenizer, target), port=ports["coordinator"],
-                                 metrics_port=metrics_ports.get("coordinator"), **common)
-            self.procs["coordinator"] = subprocess.Popen([*cli, "coordinator", *flags], env=child_env(1), **kw,
-                                                         **pinned("coordinator"))
+            for role in ("draft", "target", "coordinator"):
+                self._spawn(role)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, role: str) -> None:
+        argv, kw = self._launch[role]
+        self.procs[role] = subprocess.Popen(argv, **kw)
+        self._started[role] = time.monotonic()
+
+    RESTART_MAX_S = 30.0  # the longest wait before starting a dead service again
+
+    def keep_alive(self, say) -> None:
+        """Start again a service that exited: after 1 s, then 2, 4 ... up to
+        RESTART_MAX_S while it keeps dying; once it has run a minute, after 1 s
+        again. The others go on serving meanwhile (the coordinator answers
+        UNAVAILABLE naming the missing service)."""
+        now = time.monotonic()
+        for role, proc in self.procs.items():
+            if proc.poll() is None:
+                if now - self._started[role] > 60:
+                    self._failures[role] = 0
+                continue
+            failures = self._failures.get(role, 0)
+            if role not in self._due:
+                delay = min(self.RESTART_MAX_S, 2.0 ** failures)
+                self._due[role] = now + delay
+                say(f"specdec serve: the {role} service exited with status {proc.returncode}; starting it again "
+                    f"in {delay:.0f} s{self._tail() if failures == 0 else ''}")
+            if now >= self._due[role]:
+                say(f"specdec serve: starting the {role} service again (restart {failures + 1})")
+                self._failures[role] = failures + 1
+                del self._due[role]
+                self._spawn(role)
 
     def address(self, role: str) -> str:
         return f"{HOST}:{self.ports[role]}"
@@ -277,8 +312,9 @@ def run(args: argparse.Namespace) -> int:
                  f":{metrics_ports['target']}" if metrics_ports else "")
               + (f"; spans to {args.trace_file}" if args.trace_file else "") + "; Ctrl-C to stop",
               file=sys.stderr, flush=True)
+        say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
         while not stopping:
-            stack.check_alive()
+            stack.keep_alive(say)
             time.sleep(0.2)
     except ValueError as e:
         stack.stop()

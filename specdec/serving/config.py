@@ -62,7 +62,9 @@ class BaseServiceConfig(BaseSettings):
     role: ClassVar[str]
 
     host: str = Field("0.0.0.0", description="address to listen on")
-    max_message_bytes: int = Field(64 * MiB, gt=0, description="gRPC message size limit")
+    max_message_bytes: int = Field(64 * MiB, gt=0, description="gRPC message size limit: larger requests are "
+                                   "refused before they are read (a Verify with dense q carries vocabulary × γ "
+                                   "× 4 bytes)")
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM, seconds the generations in flight may take to finish",
         json_schema_extra={"flag": "--drain-grace", "metavar": "SECONDS"})
@@ -159,6 +161,10 @@ class ServiceConfig(BaseServiceConfig):
 class DraftConfig(ServiceConfig):
     role: ClassVar[str] = "draft"
 
+    # A Propose request is the session's new tokens: kilobytes, even for a long context.
+    max_message_bytes: int = Field(4 * MiB, gt=0, description="gRPC message size limit: larger requests are "
+                                   "refused before they are read")
+
     port: int = Field(50052, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
     draft_ahead: bool = Field(
         True, description="while the target verifies, draft the next round as if all drafts are accepted "
@@ -184,6 +190,10 @@ class CoordinatorConfig(BaseServiceConfig):
     it enforces on client requests."""
 
     role: ClassVar[str] = "coordinator"
+
+    # A Generate request is a prompt that fits the context: rarely a megabyte.
+    max_message_bytes: int = Field(4 * MiB, gt=0, description="gRPC message size limit: larger requests are "
+                                   "refused before they are read")
 
     draft: str = Field("localhost:50052", description="draft service replicas: HOST:PORT, a comma-separated "
                        "list, or dns:///NAME:PORT (every address NAME resolves to, looked up again every 10 s)",

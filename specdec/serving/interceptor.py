@@ -32,7 +32,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from specdec.serving import auth
-from specdec.serving.errors import PermissionDenied, SpecdecError, status_for, trailing_metadata
+from specdec.serving.errors import InvalidRequest, PermissionDenied, SpecdecError, status_for, trailing_metadata
+from specdec.serving.memory import after_refused
 from specdec.serving.tls import peer_identities
 from specdec.telemetry import tracing
 from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
@@ -63,10 +64,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # A coroutine that writes its replies with context.write() (health's Watch) is wrapped as unary.
             wrap = self._stream if inspect.isasyncgenfunction(behavior) else self._unary
             return grpc.unary_stream_rpc_method_handler(
-                wrap(behavior, method, tokens), request_deserializer=handler.request_deserializer,
+                wrap(behavior, method, tokens), request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
-            self._unary(handler.unary_unary, method, tokens), request_deserializer=handler.request_deserializer,
+            self._unary(handler.unary_unary, method, tokens),
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
 
     def _unary(self, behavior, full_method: str, tokens: _Guard | None):
@@ -76,11 +78,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             try:
                 call.start_span(context)
                 client = tokens.enter(context) if tokens is not None else None
+                _check_parsed(request, full_method)
                 response = await behavior(request, context)
                 call.answered(request, _timing(response), 1, response)
                 return response
             except BaseException as exc:
-                await call.failed(exc, context)
+                await call.failed(exc, context, request)
                 raise
             finally:
                 if client is not None:
@@ -96,13 +99,14 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             try:
                 call.start_span(context)
                 client = tokens.enter(context) if tokens is not None else None
+                _check_parsed(request, full_method)
                 async for message in behavior(request, context):
                     count += 1
                     timing = _timing(message) or timing
                     yield message
                 call.answered(request, timing, count, None)
             except BaseException as exc:
-                await call.failed(exc, context)
+                await call.failed(exc, context, request)
                 raise
             finally:
                 if client is not None:
@@ -111,6 +115,32 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 call.end()
 
         return stream
+
+
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """A request body that did not parse: the handler is not called, the caller
+    gets INVALID_ARGUMENT (grpc alone would answer an opaque INTERNAL)."""
+
+    error: str
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError, invalid UTF-8 in a string field ...
+            return _Malformed(type(e).__name__)
+
+    return parse
+
+
+def _check_parsed(request, method: str) -> None:
+    if isinstance(request, _Malformed):
+        raise InvalidRequest(f"{method}: the request is not a valid message ({request.error})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +208,11 @@ class _Call:
                 self.metrics.observe_verified(len(request.draft_tokens), response.accepted)
         self._count(None)
 
-    async def failed(self, exc: BaseException, context) -> None:
+    async def failed(self, exc: BaseException, context, request=None) -> None:
         """Answer ``exc`` with its status (unless it is a deliberate abort, a
-        cancellation or shutdown), and record it."""
+        cancellation or shutdown), and record it; a large refused ``request``'s
+        memory goes back to the system."""
+        after_refused(request)
         if isinstance(exc, grpc.aio.AbortError):  # aborted on purpose: the code is on the context
             code = context.code() or grpc.StatusCode.UNKNOWN
         elif isinstance(exc, Exception):

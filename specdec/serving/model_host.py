@@ -23,7 +23,7 @@ import functools
 import logging
 import pathlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.config import CONFIG_CLASSES, ServiceConfig
 from specdec.serving.errors import Draining, InvalidRequest, Unavailable
+from specdec.serving.names import MAX_SERVICE_NAME_LEN, check_name
 from specdec.serving.scheduler import PassScheduler
 from specdec.serving.server import (
     DRAFT_SERVICE,
@@ -191,7 +192,7 @@ class ModelHost:
         self,
         session_id: str,
         position: int,
-        new_tokens: Iterable[int],
+        new_tokens,  # a sequence of ids (the request's repeated field)
         sampling: pb.SamplingParams,
         *,
         gamma: int,
@@ -204,11 +205,10 @@ class ModelHost:
         runner = self.require_ready()
         if not session_id:
             raise InvalidRequest("session_id is empty")
+        check_name(session_id, "session_id", MAX_SERVICE_NAME_LEN)
         if not 0 <= gamma <= self.config.gamma_max:
             raise InvalidRequest(f"{gamma_field} {gamma} is out of range [0, {self.config.gamma_max}]")
-        new_tokens = list(new_tokens)
-        self.check_vocab(new_tokens, "new_tokens")
-        total = position + len(new_tokens) + gamma
+        total = position + len(new_tokens) + gamma  # (before any copy: a flood of ids is refused as it is)
         if total > runner.max_context:
             raise InvalidRequest(
                 f"sequence of {total} tokens (position {position} + {len(new_tokens)} new_tokens + "
@@ -216,6 +216,7 @@ class ModelHost:
             )
         if position + len(new_tokens) == 0:
             raise InvalidRequest("nothing to run: position is 0 and new_tokens is empty (empty prompt?)")
+        self.check_vocab(list(new_tokens), "new_tokens")
         params = pc.sampling_from_proto(sampling)
         if not params.greedy and params.seed is None:
             raise InvalidRequest("sampling.seed is required when temperature > 0 (both services derive "
@@ -255,6 +256,7 @@ class ModelHost:
         self.require_ready()
         if not request.session_id:
             raise InvalidRequest("session_id is empty")
+        check_name(request.session_id, "session_id", MAX_SERVICE_NAME_LEN)
         return pb.EndSessionResponse(existed=self.sessions.end(request.session_id))
 
 

@@ -37,6 +37,7 @@ from specdec.serving.errors import (
     ResourceExhausted,
     SessionNotFound,
 )
+from specdec.serving.names import shown
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class SessionStore(Generic[S]):
             raise InvalidRequest("session_id is empty")
         if position + reserve > self.max_cached_tokens:
             raise ResourceExhausted(
-                f"session {session_id!r} would hold {position + reserve} tokens, more than this "
+                f"session {shown(session_id)!r} would hold {position + reserve} tokens, more than this "
                 f"service's cap of {self.max_cached_tokens} cached tokens"
             )
         self.sweep()
@@ -167,11 +168,11 @@ class SessionStore(Generic[S]):
             if session is None:
                 if position != 0:
                     raise SessionNotFound(
-                        f"session {session_id!r} is not held by this service (never started, ended, "
+                        f"session {shown(session_id)!r} is not held by this service (never started, ended, "
                         f"evicted or expired); start it again at position 0"
                     )
                 if not self.accept_new:
-                    raise Draining(f"session {session_id!r} cannot start: this service is shutting down "
+                    raise Draining(f"session {shown(session_id)!r} cannot start: this service is shutting down "
                                       "and only finishes the sessions it holds")
                 session = self._create(session_id)
             await session.lock.acquire()
@@ -181,7 +182,7 @@ class SessionStore(Generic[S]):
         try:
             held = self._size(session.state)
             if position > held:
-                raise PositionMismatch(session_id, position, held)
+                raise PositionMismatch(shown(session_id), position, held)
             session.last_used = self._clock()
             self._sessions.move_to_end(session_id)
             # make room now for what this call will add, evicting idle others
@@ -227,7 +228,7 @@ class SessionStore(Generic[S]):
             self.end(sid)
             self.expirations += 1
             dropped += 1
-            log.info("session %r expired after %.0f s idle", sid, self.ttl_s)
+            log.info("session %r expired after %.0f s idle", shown(sid), self.ttl_s)
         return dropped
 
     # ------------------------------------------------------------------ internals
@@ -270,5 +271,5 @@ class SessionStore(Generic[S]):
                 continue
             self.end(sid)
             self.evictions += 1
-            log.info("evicted session %r (%d tokens): %s cap reached", sid, s.tokens,
+            log.info("evicted session %r (%d tokens): %s cap reached", shown(sid), s.tokens,
                      "session" if over_sessions else "cached-token")

@@ -4,6 +4,8 @@ to the client that created it."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -101,3 +103,16 @@ def test_a_session_belongs_to_the_client_that_made_it(stack, reference):
         assert alice.close_session("chat-1") is True
     with Client(address, timeout=60) as nobody, pytest.raises(errors.Unauthenticated, match="no credentials"):
         nobody.complete(prompt_ids=IDS, max_new_tokens=4)
+
+
+def test_logs_hold_no_token_no_session_suffix_and_no_prompt_text(stack):
+    secret = "def very_private_function_name():"
+    with Client(stack["C"].address, timeout=60, token=ALICE) as alice:
+        alice.complete(secret, max_new_tokens=8, session_id="private-chat")
+        alice.complete(" more", max_new_tokens=8, session_id="private-chat")
+        alice.close_session("private-chat")
+    for name in ("C", "D", "T"):
+        log = stack[name].log()
+        assert ALICE not in log and BOB not in log, name
+        assert secret not in log and "very_private" not in log, name
+        assert not re.search(r"~[0-9a-f]{12}", log), f"{name} logs a session's secret suffix"

@@ -66,6 +66,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     import time
     import urllib.request
 
+    from specdec.serving import errors
     from specdec.serving.client import Client
     from specdec.serving.server import free_port
 
@@ -98,6 +99,20 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
                                (2, 'specdec_rpc_server_duration_seconds_count{method="Verify",service="target"}')):
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics + offset}/metrics", timeout=10) as r:
                 assert sample in r.read().decode()
+        # A service that dies is started again; the others go on.
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        (target_pid,) = [int(p) for p in children if b"target-service" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(target_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        with Client(f"127.0.0.1:{ports[0]}", timeout=30) as client:
+            while True:
+                try:
+                    assert client.complete(prompt_ids=[100, 101], max_new_tokens=8).token_ids == out.token_ids
+                    break
+                except errors.Unavailable:
+                    assert time.monotonic() < deadline, "the target was not started again"
+                    time.sleep(0.5)
+        assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     except BaseException:
@@ -112,7 +127,9 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     services = {json.loads(line)["service"] for line in trace_file.read_text().splitlines()}
     assert services == {"specdec-coordinator", "specdec-draft", "specdec-target"}  # flushed at exit
     assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
-    assert text.count("objects alive after start-up frozen") == 3  # full collections skip start-up's objects
+    assert "the target service exited with status -9; starting it again in 1 s" in text
+    assert "starting the target service again (restart 1)" in text
+    assert text.count("objects alive after start-up frozen") == 4  # (the target twice) full collections skip them
     assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")
 
 
@@ -154,7 +171,7 @@ def test_client_names_a_field_out_of_range_before_calling():
             pass
 
     class Stub:  # what reaches the wire
-        def Generate(self, req, timeout=None):
+        def Generate(self, req, timeout=None, metadata=()):
             request["ids"] = list(req.prompt_ids)
             return Call()
 
