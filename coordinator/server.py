@@ -103,6 +103,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
     pair that is not up yet is checked again at the first request). ``telemetry``
     adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
+    from coordinator.admission import ClientLimits
     from coordinator.engine import Coordinator
     from coordinator.service import CoordinatorServicer
     from specdec.models.tokenizer import load_tokenizer
@@ -126,7 +127,8 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         metrics=telemetry.metrics if telemetry else None, tokens=tokens,
                         reflection=config.reflection, tls=config.server_tls, peers=config.peer_identities)
-    servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers)
+    limits = ClientLimits(config.client_max_streams, config.client_rate, config.client_burst)
+    servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers, limits=limits)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
         port = await bind_or_close(server, config.host, config.port, telemetry)

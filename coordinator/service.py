@@ -17,11 +17,12 @@ import contextvars
 import logging
 import threading
 
+from coordinator.admission import ClientLimits
 from coordinator.engine import Coordinator
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import auth, errors
 from specdec.serving import convert as conv
-from specdec.serving import errors
 from specdec.serving.generation import Delta
 
 log = logging.getLogger("specdec.coordinator")
@@ -30,10 +31,12 @@ _END = object()
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor, max_streams: int | None = None):
+    def __init__(self, engine: Coordinator, executor: concurrent.futures.Executor, max_streams: int | None = None,
+                 limits: ClientLimits | None = None):
         self.engine = engine
         self.executor = executor
         self.max_streams = max_streams  # beyond: RESOURCE_EXHAUSTED (the executor's threads are all busy)
+        self.limits = limits or ClientLimits()  # per client
         self.cleanups: set[asyncio.Future] = set()  # of requests that ended early, still running
         self.end_streams_at: float | None = None  # loop time: set by :meth:`shutting_down`
         self.drain_grace_s = 0.0
@@ -53,14 +56,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise errors.ResourceExhausted(
                 f"the coordinator is serving {self.streams} streams, its limit (--max-workers "
                 f"{self.max_streams}): retry in a moment, or on another coordinator", retry_after_s=1.0)
+        release = self.limits.admit(auth.current_client() or _peer_host(context.peer()))
         self.streams += 1
         counted = True
         try:
             async for reply in self._generate(job):
                 if reply.HasField("stats"):  # the turn is complete: its client may send the next at once
                     self.streams, counted = self.streams - 1, False
+                    release()
                 yield reply
         finally:
+            release()
             if counted:
                 self.streams -= 1
 
@@ -113,6 +119,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.executor, contextvars.copy_context().run, self.engine.close_session, request.session_id
         )
         return pb.CloseSessionResponse(existed=existed)
+
+
+def _peer_host(peer: str) -> str:
+    """A caller without a name: its address, less the port ("ipv4:10.0.0.7:53412" -> "ipv4:10.0.0.7")."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
 
 
 def _close_after(step: concurrent.futures.Future | None, steps, context: contextvars.Context) -> None:

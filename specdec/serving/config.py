@@ -233,6 +233,16 @@ class CoordinatorConfig(BaseServiceConfig):
     redis_ttl_s: float = Field(
         86400.0, gt=0, description="with --redis: a session idle this long is forgotten there (each turn "
         "restarts the clock)", json_schema_extra={"flag": "--redis-ttl", "metavar": "SECONDS"})
+    client_max_streams: int = Field(
+        0, ge=0, description="streams one client may have open at once (its token's name, or its address "
+        "without --auth-tokens); more are refused RESOURCE_EXHAUSTED with retry-after; 0: no limit",
+        json_schema_extra={"metavar": "N", **ROLE_ONLY})
+    client_rate: float = Field(
+        0.0, ge=0, description="requests per second one client may start on average; beyond, RESOURCE_EXHAUSTED "
+        "with retry-after; 0: no limit", json_schema_extra={"metavar": "PER_SECOND", **ROLE_ONLY})
+    client_burst: float = Field(
+        0.0, ge=0, description="requests one client may start at once under --client-rate (default: the rate, "
+        "at least 1)", json_schema_extra={"metavar": "N", **ROLE_ONLY})
     auth_tokens: str = Field(
         "", description="clients that may call, as NAME:TOKEN,NAME:TOKEN (set it in the environment, not on the "
         "command line); each client's named sessions are its own. Empty, with no --auth-tokens-file: no "

@@ -34,6 +34,7 @@ def stack(models, tmp_path_factory):
                   "--tokenizer", str(target), "--auth-tokens-file", str(tokens)]
         procs["C"] = Proc("coordinator", common, logdir)
         procs["Cq"] = Proc("coordinator-no-reflection", [*common, "--no-reflection"], logdir)
+        procs["Cl"] = Proc("coordinator-rate-limited", [*common, "--client-rate", "4", "--client-burst", "4"], logdir)
         for p in procs.values():
             p.wait_serving()
         yield procs
@@ -116,3 +117,48 @@ def test_logs_hold_no_token_no_session_suffix_and_no_prompt_text(stack):
         assert ALICE not in log and BOB not in log, name
         assert secret not in log and "very_private" not in log, name
         assert not re.search(r"~[0-9a-f]{12}", log), f"{name} logs a session's secret suffix"
+
+
+def test_a_client_flooding_past_its_rate_is_refused_and_the_others_are_served(stack, reference):
+    """alice sends as fast as she can from four threads; bob one request at a
+    time. alice is refused with a retry hint once past 4 requests/s; bob never
+    is, and his latency stays that of an idle coordinator."""
+    import threading
+    import time
+
+    address, want = stack["Cl"].address, greedy_ref(reference, IDS, 4)
+    with Client(address, timeout=60, token=BOB) as bob:
+        started = time.perf_counter()
+        bob.complete(prompt_ids=IDS, max_new_tokens=4)
+        idle_s = time.perf_counter() - started
+    refused, served, stop = [], [], threading.Event()
+
+    def flood():
+        with Client(address, timeout=60, token=ALICE) as alice:
+            while not stop.is_set():
+                try:
+                    alice.complete(prompt_ids=IDS, max_new_tokens=4)
+                    served.append(1)
+                except errors.ResourceExhausted as e:
+                    refused.append(e.retry_after_s)
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for t in threads:
+        t.start()
+    latencies = []
+    try:
+        with Client(address, timeout=60, token=BOB) as bob:
+            for _ in range(6):
+                started = time.perf_counter()
+                assert bob.complete(prompt_ids=IDS, max_new_tokens=4).token_ids == want
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert refused and all(r is not None and 0 < r <= 1.0 for r in refused)
+    assert len(served) < len(refused)
+    median = sorted(latencies)[len(latencies) // 2]
+    print(f"bob's latency idle {idle_s * 1e3:.0f} ms, under alice's flood {median * 1e3:.0f} ms (median of "
+          f"{len(latencies)}); alice {len(served)} served, {len(refused)} refused")

@@ -1,0 +1,86 @@
+"""Per-client limits on the coordinator: concurrent streams and request rate.
+
+A client is its authenticated name (``--auth-tokens``) or, without
+authentication, its peer address. Over ``--client-max-streams`` streams at
+once, or past its request rate (a token bucket: ``--client-rate`` requests per
+second on average, ``--client-burst`` at once), a client's next request is
+refused with RESOURCE_EXHAUSTED and a retry hint; the other clients are not
+slowed down by its flood.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from specdec.serving import errors
+
+MAX_TRACKED_CLIENTS = 10_000  # least recently seen forgotten beyond (their buckets refill anyway)
+
+
+@dataclasses.dataclass
+class _Client:
+    tokens: float
+    at: float
+    streams: int = 0
+
+
+class ClientLimits:
+    """``max_streams`` 0 and ``rate`` 0 mean no limit of that kind."""
+
+    def __init__(self, max_streams: int = 0, rate: float = 0.0, burst: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_streams, self.rate = max_streams, rate
+        self.burst = max(1.0, burst or rate)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._clients: collections.OrderedDict[str, _Client] = collections.OrderedDict()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.max_streams or self.rate)
+
+    def admit(self, client: str) -> Callable[[], None]:
+        """Take one of ``client``'s streams; ResourceExhausted, with when to
+        retry, if it is at a limit. Returns the stream's release (call it once
+        or more: it counts once)."""
+        if not self.active:
+            return lambda: None
+        self._admit(client)
+        released = []
+
+        def release() -> None:
+            with self._lock:
+                if released:
+                    return
+                released.append(True)
+                state = self._clients.get(client)
+                if state is not None:
+                    state.streams -= 1
+
+        return release
+
+    def _admit(self, client: str) -> None:
+        now = self._clock()
+        with self._lock:
+            state = self._clients.pop(client, None) or _Client(self.burst, now)
+            self._clients[client] = state  # most recent last
+            while len(self._clients) > MAX_TRACKED_CLIENTS:
+                self._clients.popitem(last=False)
+            if self.max_streams and state.streams >= self.max_streams:
+                raise errors.ResourceExhausted(
+                    f"client {client!r} has {state.streams} streams open, its limit (--client-max-streams "
+                    f"{self.max_streams}): retry when one ends", retry_after_s=1.0)
+            if self.rate:
+                state.tokens = min(self.burst, state.tokens + (now - state.at) * self.rate)
+                state.at = now
+                if state.tokens < 1.0:
+                    wait = (1.0 - state.tokens) / self.rate
+                    raise errors.ResourceExhausted(
+                        f"client {client!r} is past its request rate (--client-rate {self.rate:g}/s, burst "
+                        f"{self.burst:g}): retry in {wait:.1f} s", retry_after_s=wait)
+                state.tokens -= 1.0
+            state.streams += 1
