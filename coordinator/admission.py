@@ -49,27 +49,23 @@ class ClientLimits:
         or more: it counts once)."""
         if not self.active:
             return lambda: None
-        self._admit(client)
+        state = self._admit(client)
         released = []
 
         def release() -> None:
             with self._lock:
-                if released:
-                    return
-                released.append(True)
-                state = self._clients.get(client)
-                if state is not None:
-                    state.streams -= 1
+                if not released:
+                    released.append(True)
+                    state.streams -= 1  # this client's record: kept while it has streams open
 
         return release
 
-    def _admit(self, client: str) -> None:
+    def _admit(self, client: str) -> _Client:
         now = self._clock()
         with self._lock:
             state = self._clients.pop(client, None) or _Client(self.burst, now)
             self._clients[client] = state  # most recent last
-            while len(self._clients) > MAX_TRACKED_CLIENTS:
-                self._clients.popitem(last=False)
+            self._forget_idle()
             if self.max_streams and state.streams >= self.max_streams:
                 raise errors.ResourceExhausted(
                     f"client {client!r} has {state.streams} streams open, its limit (--client-max-streams "
@@ -84,3 +80,11 @@ class ClientLimits:
                         f"{self.burst:g}): retry in {wait:.1f} s", retry_after_s=wait)
                 state.tokens -= 1.0
             state.streams += 1
+            return state
+
+    def _forget_idle(self) -> None:
+        """Beyond MAX_TRACKED_CLIENTS, forget the least recently seen clients
+        that have no stream open (one with streams is never forgotten)."""
+        excess = len(self._clients) - MAX_TRACKED_CLIENTS
+        for name in [n for n, s in self._clients.items() if s.streams == 0][:max(0, excess)]:
+            del self._clients[name]

@@ -109,6 +109,11 @@ class Coordinator:
         cancelled = cancelled or threading.Event()
         started = time.perf_counter()
         request = self.checks.validate(job, self.pair(wait_s=REPLICA_WAIT_S))
+        client = auth.current_client()
+        if client and job.session_id:  # before the lease, so another's session cannot be held up by anyone
+            known = self.directory.get(job.session_id)
+            if known is not None:
+                claim(known, client)
         # A resumed turn takes over from a coordinator that may have died
         # holding the session: its lease runs out within the lease time.
         wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
@@ -116,7 +121,7 @@ class Coordinator:
             if lease is None:
                 return
             record = open_record(self.directory, job.session_id)
-            claim(record, auth.current_client())
+            claim(record, client)  # again, under the lease
             with self._pinned(record, request) as services:
                 pair = self.pairs.get(*services.clients())
                 request = self.checks.validate(job, pair)  # again: these replicas may serve other limits
@@ -136,6 +141,9 @@ class Coordinator:
                 if isinstance(event, GenerationStats):
                     record_generation(span, self.metrics, event)
                     self.learned.finished(request.policy, key)
+                    # The turn is complete and stored: its client may send the next
+                    # one at once, which then waits for this lease, not refused.
+                    cancelled.set()
                 elif self.metrics is not None:
                     self.metrics.observe_streamed(len(event.token_ids))
                 yield event
@@ -201,7 +209,8 @@ class Coordinator:
 def claim(record: SessionRecord, client: str) -> None:
     """A named session belongs to the client that created it: another client
     naming it is refused (PERMISSION_DENIED), never shown its history. Without
-    authentication (client "") there are no owners."""
+    authentication (client "") there are no owners; a session from before
+    authentication was turned on goes to the first client that names it."""
     if not client:
         return
     if record.owner and record.owner != client:

@@ -194,12 +194,14 @@ class Stack:
         self._started[role] = time.monotonic()
 
     RESTART_MAX_S = 30.0  # the longest wait before starting a dead service again
+    RESTART_LIMIT = 5  # restarts in a row, each dying within a minute, before giving up
 
     def keep_alive(self, say) -> None:
         """Start again a service that exited: after 1 s, then 2, 4 ... up to
         RESTART_MAX_S while it keeps dying; once it has run a minute, after 1 s
         again. The others go on serving meanwhile (the coordinator answers
-        UNAVAILABLE naming the missing service)."""
+        UNAVAILABLE naming the missing service). ValueError after RESTART_LIMIT
+        restarts in a row that each died within a minute."""
         now = time.monotonic()
         for role, proc in self.procs.items():
             if proc.poll() is None:
@@ -207,6 +209,9 @@ class Stack:
                     self._failures[role] = 0
                 continue
             failures = self._failures.get(role, 0)
+            if failures >= self.RESTART_LIMIT:  # dies each time, within a minute: a bad setting, a busy port
+                raise ValueError(f"the {role} service exited with status {proc.returncode} again, {failures} "
+                                 f"restarts in a row each within a minute of starting: giving up{self._tail()}")
             if role not in self._due:
                 delay = min(self.RESTART_MAX_S, 2.0 ** failures)
                 self._due[role] = now + delay

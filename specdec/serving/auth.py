@@ -85,20 +85,22 @@ def parse_tokens(pairs: str = "", file: str = "") -> Tokens | None:
         if not path.is_file():
             raise ValueError(f"--auth-tokens-file {file}: no such file")
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if line:
+            line = line.strip()
+            if line and not line.startswith("#"):
+                line = re.split(r"\s#", line, maxsplit=1)[0].strip()  # a comment after the entry, not a # in a token
                 name, _, token = line.partition(" ")
                 entries.append((name, token.strip(), f"{file} line {n}"))
     if not entries:
         return None
     by_digest: dict[bytes, str] = {}
     for name, token, where in entries:
+        # The messages name where, never what: a NAME that is really a token must not reach a log.
         if not _NAME.fullmatch(name):
             raise ValueError(f"{where}: expected NAME TOKEN (or NAME:TOKEN), NAME of letters, digits and _.@-")
         if len(token) < 16:
-            raise ValueError(f"{where}: the token of {name!r} is shorter than 16 characters")
+            raise ValueError(f"{where}: the token is shorter than 16 characters")
         digest = hashlib.sha256(token.encode()).digest()
         if digest in by_digest:
-            raise ValueError(f"{where}: {name!r} has the same token as {by_digest[digest]!r}")
+            raise ValueError(f"{where}: the same token as another entry")
         by_digest[digest] = name
     return Tokens(by_digest)

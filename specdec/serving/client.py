@@ -91,6 +91,8 @@ class Client:
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
+        if (tls_cert or tls_key) and not tls_ca:
+            raise ValueError("tls_cert and tls_key need tls_ca (the CA that signed the coordinator's certificate)")
         if tls_ca:
             credentials = channel_credentials(tls_ca, tls_cert or "", tls_key or "")
             self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]

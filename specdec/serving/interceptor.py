@@ -100,10 +100,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 call.start_span(context)
                 client = tokens.enter(context) if tokens is not None else None
                 _check_parsed(request, full_method)
-                async for message in behavior(request, context):
-                    count += 1
-                    timing = _timing(message) or timing
-                    yield message
+                # Closed here, not left to the garbage collector, when the caller goes away:
+                # the handler's own cleanups (stream slots) run at once.
+                async with contextlib.aclosing(behavior(request, context)) as messages:
+                    async for message in messages:
+                        count += 1
+                        timing = _timing(message) or timing
+                        yield message
                 call.answered(request, timing, count, None)
             except BaseException as exc:
                 await call.failed(exc, context, request)

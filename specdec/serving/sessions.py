@@ -65,7 +65,7 @@ class Session(Generic[S]):
             return None
         if key != self.round_key:
             raise InvalidRequest(
-                f"session {self.id!r}: round_id {round_id} was already used for a different request"
+                f"session {shown(self.id)!r}: round_id {round_id} was already used for a different request"
             )
         return self.round_result
 
@@ -240,7 +240,7 @@ class SessionStore(Generic[S]):
         if session.tokens == 0 and self._size(session.state) == 0:  # created for this call: not kept
             self.end(session.id)
         raise ResourceExhausted(
-            f"session {session.id!r} needs {extra} more tokens of KV cache, but sessions in use hold {in_use} "
+            f"session {shown(session.id)!r} needs {extra} more tokens of KV cache, but sessions in use hold {in_use} "
             f"of this service's budget of {self.max_cached_tokens} tokens (--max-cached-tokens); "
             "try again when other generations finish")
 

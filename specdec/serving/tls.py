@@ -26,7 +26,8 @@ import grpc
 log = logging.getLogger(__name__)
 
 # What a peer's certificate names, as gRPC's auth context reports it.
-_IDENTITY_PROPERTIES = ("x509_subject_alternative_name", "x509_common_name")
+# (Subject alternative names only: a CA may let requesters choose their common name.)
+_IDENTITY_PROPERTIES = ("x509_subject_alternative_name",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +75,12 @@ def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
         with lock:
             if stamp == seen["stamp"]:
                 return None
+            try:
+                new = configuration()
+            except (OSError, ValueError, RuntimeError) as e:  # a rotation half written: the last good one stays
+                log.warning("TLS files changed but could not be read (%s): keeping the certificate in use", e)
+                return None  # (tried again at the next handshake)
             seen["stamp"] = stamp
-        try:
-            new = configuration()
-        except (OSError, ValueError, RuntimeError) as e:  # a rotation half written: keep the last good one
-            log.warning("TLS files changed but could not be read (%s): keeping the certificate in use", e)
-            return None
         log.info("TLS certificate files changed: new connections use the new certificate")
         return new
 

@@ -36,7 +36,7 @@ def test_a_call_without_a_known_token_is_unauthenticated(metadata, message):
     ("alice:short", "shorter than 16 characters"),
     (f"bad name:{GOOD}", "expected NAME TOKEN"),
     (GOOD, "expected NAME TOKEN"),
-    (f"a:{GOOD},b:{GOOD}", "'b' has the same token as 'a'"),
+    (f"a:{GOOD},b:{GOOD}", "entry 2: the same token as another entry"),
 ])
 def test_bad_token_settings_fail_naming_the_entry_never_the_token(pairs, message):
     with pytest.raises(ValueError, match=message) as e:
