@@ -52,6 +52,37 @@ def coordinator(name, draft: Proc, target: Proc, tokenizer, logdir, *extra):
                        "--tokenizer", str(tokenizer), "--max-new-tokens-cap", str(CAP), *extra], logdir)
 
 
+class Cluster(dict):
+    """Service processes by name, all stopped when the ``with`` block ends
+    (however it ends); :meth:`ready` waits until each one serves."""
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.values():
+            p.stop()
+
+    def ready(self) -> Cluster:
+        for p in self.values():
+            p.wait_serving()
+        return self
+
+
+def one_of_each(models, logdir, *coordinator_args) -> Cluster:
+    """D + T + C: a draft, a target and a coordinator in front of them."""
+    target, draft = models
+    procs = Cluster()
+    try:
+        procs["D"] = model_service("draft", "draft", draft, logdir)
+        procs["T"] = model_service("target", "target", target, logdir)
+        procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir, *coordinator_args)
+    except BaseException:
+        procs.__exit__()
+        raise
+    return procs
+
+
 @pytest.fixture(scope="module")
 def cluster(models, tmp_path_factory):
     """Started together, once: D + T + C (most tests); T1 (--max-sessions 1) + C1
@@ -59,8 +90,7 @@ def cluster(models, tmp_path_factory):
     Tr, with Cr, to receive SIGTERM mid-generation (a rolling restart)."""
     target, draft = models
     logdir = tmp_path_factory.mktemp("e2e-logs")
-    procs = {}
-    try:
+    with Cluster() as procs:
         procs["D"] = model_service("draft", "draft", draft, logdir)
         procs["T"] = model_service("target", "target", target, logdir)
         procs["T1"] = model_service("target1", "target", target, logdir, "--max-sessions", "1")
@@ -73,12 +103,7 @@ def cluster(models, tmp_path_factory):
                                   "--drain-grace", "30")
         procs["Cg"] = coordinator("coordinator-short-grace", procs["D"], procs["T"], target, logdir,
                                   "--drain-grace", "0.1")
-        for p in procs.values():
-            p.wait_serving()
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
+        yield procs.ready()
 
 
 @pytest.fixture(scope="module")

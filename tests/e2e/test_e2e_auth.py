@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_e2e import Proc, greedy_ref, model_service
+from test_e2e import Cluster, Proc, greedy_ref, model_service
 
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import errors
@@ -26,8 +26,7 @@ def stack(models, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("auth-logs")
     tokens = logdir / "tokens"
     tokens.write_text(f"# who may call\nalice {ALICE}\nbob {BOB}\n")
-    procs = {}
-    try:
+    with Cluster() as procs:
         procs["D"] = model_service("draft", "draft", draft, logdir)
         procs["T"] = model_service("target", "target", target, logdir)
         common = ["coordinator", "--draft", procs["D"].address, "--target", procs["T"].address,
@@ -35,12 +34,7 @@ def stack(models, tmp_path_factory):
         procs["C"] = Proc("coordinator", common, logdir)
         procs["Cq"] = Proc("coordinator-no-reflection", [*common, "--no-reflection"], logdir)
         procs["Cl"] = Proc("coordinator-rate-limited", [*common, "--client-rate", "4", "--client-burst", "4"], logdir)
-        for p in procs.values():
-            p.wait_serving()
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
+        yield procs.ready()
 
 
 def call_every_rpc(address: str, metadata=()) -> dict[str, grpc.StatusCode]:

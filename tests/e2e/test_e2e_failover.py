@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from test_e2e import Proc, greedy_ref, model_service
+from test_e2e import Cluster, Proc, greedy_ref, model_service
 
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta
@@ -24,8 +24,7 @@ N = 600  # long enough that the fault lands mid-stream
 def pools(models, tmp_path_factory):
     target, draft = models
     logdir = tmp_path_factory.mktemp("failover-logs")
-    procs = {}
-    try:
+    with Cluster() as procs:
         for name in ("D1", "D2"):
             procs[name] = model_service(name, "draft", draft, logdir)
         for name in ("T1", "T2", "T3"):
@@ -36,12 +35,7 @@ def pools(models, tmp_path_factory):
                                           "--tokenizer", str(target), "--call-timeout", "10"], logdir)
         procs["C1"] = Proc("coordinator-one-worker", ["coordinator", "--draft", drafts, "--target", targets,
                                                       "--tokenizer", str(target), "--max-workers", "1"], logdir)
-        for p in procs.values():
-            p.wait_serving()
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
+        yield procs.ready()
 
 
 def holding(procs, role, names):

@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import descriptor as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_e2e import coordinator, greedy_ref, model_service
+from test_e2e import greedy_ref, one_of_each
 
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving.client import Client
@@ -22,19 +22,8 @@ INTS = {pd.FieldDescriptor.TYPE_INT32: 2**31, pd.FieldDescriptor.TYPE_INT64: 2**
 
 @pytest.fixture(scope="module")
 def stack(models, tmp_path_factory):
-    target, draft = models
-    logdir = tmp_path_factory.mktemp("fuzz-logs")
-    procs = {}
-    try:
-        procs["D"] = model_service("draft", "draft", draft, logdir)
-        procs["T"] = model_service("target", "target", target, logdir)
-        procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir, "--call-timeout", "5")
-        for p in procs.values():
-            p.wait_serving()
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
+    with one_of_each(models, tmp_path_factory.mktemp("fuzz-logs"), "--call-timeout", "5") as procs:
+        yield procs.ready()
 
 
 def scalar(field: pd.FieldDescriptor) -> st.SearchStrategy:

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from test_e2e import coordinator, greedy_ref, model_service
+from test_e2e import greedy_ref, one_of_each
 
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -19,19 +19,8 @@ TEN_MB = 10 << 20
 
 @pytest.fixture(scope="module")
 def stack(models, tmp_path_factory):
-    target, draft = models
-    logdir = tmp_path_factory.mktemp("limits-logs")
-    procs = {}
-    try:
-        procs["D"] = model_service("draft", "draft", draft, logdir)
-        procs["T"] = model_service("target", "target", target, logdir)
-        procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir)
-        for p in procs.values():
-            p.wait_serving()
-        yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
+    with one_of_each(models, tmp_path_factory.mktemp("limits-logs")) as procs:
+        yield procs.ready()
 
 
 def rss_mb(proc) -> float:
