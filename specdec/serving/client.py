@@ -63,6 +63,22 @@ class Completion:
 
 
 TOKEN_ENV = "SPECDEC_TOKEN"
+TLS_ENV = "SPECDEC_CLIENT_TLS"
+
+
+def _tls_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    """The client's TLS, from the arguments or else the SPECDEC_CLIENT_TLS_* variables (None: plaintext)."""
+    ca = ca if ca is not None else os.environ.get(f"{TLS_ENV}_CA", "")
+    cert = cert if cert is not None else os.environ.get(f"{TLS_ENV}_CERT", "")
+    key = key if key is not None else os.environ.get(f"{TLS_ENV}_KEY", "")
+    if (cert or key) and not ca:
+        raise ValueError("tls_cert and tls_key need tls_ca (the CA that signed the coordinator's certificate)")
+    return channel_credentials(ca, cert, key) if ca else None
+
+
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.") or address.startswith("unix:")
 
 
 class Client:
@@ -70,7 +86,9 @@ class Client:
     ``token``: the bearer token of a coordinator that authenticates its clients
     (default: the ``SPECDEC_TOKEN`` environment variable, if set). ``tls_ca``:
     reach the coordinator over TLS, verified against this CA file (PEM), with
-    ``tls_cert`` / ``tls_key`` as the client's own certificate if it asks for one."""
+    ``tls_cert`` / ``tls_key`` as the client's own certificate if it asks for one
+    (defaults: ``SPECDEC_CLIENT_TLS_CA``, ``_CERT``, ``_KEY``), so the command-line
+    tools take them from the environment too."""
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  max_message_bytes: int = 64 << 20, failover_s: float | None = None, token: str | None = None,
@@ -91,10 +109,8 @@ class Client:
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        if (tls_cert or tls_key) and not tls_ca:
-            raise ValueError("tls_cert and tls_key need tls_ca (the CA that signed the coordinator's certificate)")
-        if tls_ca:
-            credentials = channel_credentials(tls_ca, tls_cert or "", tls_key or "")
+        credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
+        if credentials is not None:
             self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
         else:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
@@ -102,6 +118,10 @@ class Client:
         self._current = 0  # the coordinator calls go to, until it fails
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        remote = [a for a in self.addresses if not _loopback(a)]
+        if token and credentials is None and remote:
+            log.warning("sending a bearer token without TLS to %s: anyone on the path can read it (give tls_ca, "
+                        "or %s_CA)", ", ".join(remote), TLS_ENV)
 
     @property
     def address(self) -> str:

@@ -93,6 +93,13 @@ def test_a_generation_goes_over_tls_on_every_hop(stack, pki, reference):
     assert "without TLS" not in procs["C"].log()
 
 
+def test_the_command_line_tools_take_tls_from_the_environment(stack, pki, monkeypatch, reference):
+    procs, _ = stack
+    monkeypatch.setenv("SPECDEC_CLIENT_TLS_CA", pki["ca"].path)
+    with Client(procs["C"].address, timeout=60) as c:
+        assert c.complete(prompt_ids=IDS, max_new_tokens=8).token_ids == greedy_ref(reference, IDS, 8)
+
+
 def test_model_services_refuse_other_identities_and_plaintext(stack, pki):
     procs, _ = stack
     request = pb.ModelInfoRequest()

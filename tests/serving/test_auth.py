@@ -47,3 +47,16 @@ def test_bad_token_settings_fail_naming_the_entry_never_the_token(pairs, message
 def test_a_missing_tokens_file_fails(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         parse_tokens("", str(tmp_path / "absent"))
+
+
+def test_the_client_warns_before_sending_a_token_in_the_clear(caplog, monkeypatch):
+    from specdec.serving.client import Client
+
+    monkeypatch.delenv("SPECDEC_CLIENT_TLS_CA", raising=False)
+    with caplog.at_level("WARNING", logger="specdec.client"):
+        Client("127.0.0.1:1", token=GOOD).close()
+        assert not caplog.records  # loopback: nothing crosses a network
+        Client("10.0.0.7:50051", token=GOOD).close()
+    assert "without TLS to 10.0.0.7:50051" in caplog.text and GOOD not in caplog.text
+    with pytest.raises(ValueError, match="need tls_ca"):
+        Client("10.0.0.7:50051", tls_cert="c.pem", tls_key="k.pem")
