@@ -5,6 +5,7 @@ to the client that created it."""
 from __future__ import annotations
 
 import re
+import time
 
 import grpc
 import pytest
@@ -27,11 +28,11 @@ def stack(models, tmp_path_factory):
     tokens = logdir / "tokens"
     tokens.write_text(f"# who may call\nalice {ALICE}\nbob {BOB}\n")
     with Cluster() as procs:
-        procs["D"] = model_service("draft", "draft", draft, logdir)
-        procs["T"] = model_service("target", "target", target, logdir)
+        procs["D"] = model_service("draft", "draft", draft, logdir, "--trace-file", str(logdir / "spans.jsonl"))
+        procs["T"] = model_service("target", "target", target, logdir, "--trace-file", str(logdir / "spans.jsonl"))
         common = ["coordinator", "--draft", procs["D"].address, "--target", procs["T"].address,
                   "--tokenizer", str(target), "--auth-tokens-file", str(tokens)]
-        procs["C"] = Proc("coordinator", common, logdir)
+        procs["C"] = Proc("coordinator", [*common, "--trace-file", str(logdir / "spans.jsonl")], logdir)
         procs["Cq"] = Proc("coordinator-no-reflection", [*common, "--no-reflection"], logdir)
         procs["Cl"] = Proc("coordinator-rate-limited", [*common, "--client-rate", "4", "--client-burst", "4"], logdir)
         yield procs.ready()
@@ -100,17 +101,26 @@ def test_a_session_belongs_to_the_client_that_made_it(stack, reference):
         nobody.complete(prompt_ids=IDS, max_new_tokens=4)
 
 
-def test_logs_hold_no_token_no_session_suffix_and_no_prompt_text(stack):
+def test_logs_and_spans_hold_no_token_no_session_suffix_and_no_prompt_text(stack):
     secret = "def very_private_function_name():"
     with Client(stack["C"].address, timeout=60, token=ALICE) as alice:
         alice.complete(secret, max_new_tokens=8, session_id="private-chat")
         alice.complete(" more", max_new_tokens=8, session_id="private-chat")
         alice.close_session("private-chat")
-    for name in ("C", "D", "T"):
-        log = stack[name].log()
-        assert ALICE not in log and BOB not in log, name
-        assert secret not in log and "very_private" not in log, name
-        assert not re.search(r"~[0-9a-f]{12}", log), f"{name} logs a session's secret suffix"
+    spans_file = stack["C"].log_path.parent / "spans.jsonl"
+    deadline = time.monotonic() + 20  # the batch processors export every few seconds
+
+    def spans() -> str:
+        return spans_file.read_text() if spans_file.exists() else ""
+
+    while "private-chat" not in spans():  # the conversation's id, on its Generate spans
+        assert time.monotonic() < deadline, "no span of the requests was written"
+        time.sleep(0.5)
+    texts = {name: stack[name].log() for name in ("C", "D", "T")} | {"spans": spans()}
+    for name, text in texts.items():
+        assert ALICE not in text and BOB not in text, name
+        assert secret not in text and "very_private" not in text, name
+        assert not re.search(r"~[0-9a-f]{12}", text), f"{name} holds a session's secret suffix"
 
 
 def test_a_client_flooding_past_its_rate_is_refused_and_the_others_are_served(stack, reference):
