@@ -108,7 +108,8 @@ class Coordinator:
         waits for this one to end."""
         cancelled = cancelled or threading.Event()
         started = time.perf_counter()
-        request = self.checks.validate(job, self.pair(wait_s=REPLICA_WAIT_S))
+        checked = self.pair(wait_s=REPLICA_WAIT_S)
+        request = self.checks.validate(job, checked)
         client = auth.current_client()
         if client and job.session_id:  # before the lease, so another's session cannot be held up by anyone
             known = self.directory.get(job.session_id)
@@ -124,7 +125,8 @@ class Coordinator:
             claim(record, client)  # again, under the lease
             with self._pinned(record, request) as services:
                 pair = self.pairs.get(*services.clients())
-                request = self.checks.validate(job, pair)  # again: these replicas may serve other limits
+                if pair != checked:  # these replicas serve other limits (a pool mid-upgrade): check again
+                    request = self.checks.validate(job, pair)
                 key = regime(request.params, request.draft_top_k)
                 request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
                 continue_session(request.policy, record, key)

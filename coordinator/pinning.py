@@ -35,7 +35,6 @@ class Pinned:
     # Called after a move with the role, the new address and why: the turn
     # resets that side's synced length and counts the move.
     on_move: Callable[[str, str, str], None] = lambda role, address, cause: None
-    moves: int = 0
 
     @property
     def role(self) -> str:
@@ -91,7 +90,6 @@ class Pinned:
         old, self.replica = self.address, chosen
         if old:
             self.pool.unpin(old)
-        self.moves += 1
         log.info("%s: moved from %s to %s (%s): it is re-pre-filled from the history", self.role,
                  old or "none", chosen.address, cause)
         self.on_move(self.role, chosen.address, cause)

@@ -44,7 +44,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert, errors
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
-from specdec.serving.tls import channel_credentials
+from specdec.serving.tls import channel_credentials, is_loopback
 
 DEFAULT_ADDRESS = "localhost:50051"
 
@@ -77,8 +77,8 @@ def _tls_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.
 
 
 def _loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
-    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.") or address.startswith("unix:")
+    """A coordinator address on this machine only (HOST:PORT, [IPv6]:PORT, unix:PATH)."""
+    return address.startswith("unix:") or is_loopback(address.rsplit(":", 1)[0] if ":" in address else address)
 
 
 class Client:

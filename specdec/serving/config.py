@@ -38,7 +38,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from specdec.core.gamma import parse_gamma_policy, parse_gamma_spec
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 from specdec.serving.auth import parse_tokens
-from specdec.serving.tls import ServerTls, check_files
+from specdec.serving.tls import ServerTls, check_settings
 
 MiB = 1 << 20
 ROLE_ONLY = {"role_only": True}
@@ -89,10 +89,10 @@ class BaseServiceConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _tls_complete(self):
-        check_files({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca,
+        check_settings({"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca,
                      "--tls-peer-identity": self.tls_peer_identity},
                     {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",), "--tls-ca": ("--tls-cert",),
-                     "--tls-peer-identity": ("--tls-ca",)})
+                     "--tls-peer-identity": ("--tls-ca",)}, names=("--tls-peer-identity",))
         return self
 
     @property
@@ -280,10 +280,10 @@ class CoordinatorConfig(BaseServiceConfig):
 
     @model_validator(mode="after")
     def _upstream_tls_complete(self):
-        check_files({"--upstream-ca": self.upstream_ca, "--upstream-cert": self.upstream_cert,
+        check_settings({"--upstream-ca": self.upstream_ca, "--upstream-cert": self.upstream_cert,
                      "--upstream-key": self.upstream_key, "--upstream-server-name": self.upstream_server_name},
                     {"--upstream-cert": ("--upstream-key", "--upstream-ca"), "--upstream-key": ("--upstream-cert",),
-                     "--upstream-server-name": ("--upstream-ca",)})
+                     "--upstream-server-name": ("--upstream-ca",)}, names=("--upstream-server-name",))
         return self
 
     @model_validator(mode="after")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import ipaddress
 import logging
 import signal
 import time
@@ -39,7 +38,7 @@ from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from specdec.serving import auth
 from specdec.serving.interceptor import ServiceInterceptor
-from specdec.serving.tls import ServerTls, server_credentials
+from specdec.serving.tls import ServerTls, is_loopback, server_credentials
 from specdec.telemetry.metrics import RpcMetrics
 
 log = logging.getLogger(__name__)
@@ -173,13 +172,6 @@ class GrpcServer:
         """Stop at once (tests)."""
         self.draining = True
         await self.server.stop(None)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 async def bind_or_close(server: GrpcServer, host: str, port: int, telemetry=None) -> int:

@@ -17,6 +17,7 @@ plaintext.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import threading
@@ -42,17 +43,26 @@ class ServerTls:
         return tuple(f for f in (self.cert, self.key, self.ca) if f)
 
 
-def check_files(role_flags: dict[str, str], needs: dict[str, tuple[str, ...]]) -> None:
+def check_settings(values: dict[str, str], needs: dict[str, tuple[str, ...]], names: tuple[str, ...] = ()) -> None:
     """Settings that only make sense together: ``needs[flag]`` are the flags
-    ``flag`` needs; each given file must exist. ValueError names the flags."""
-    for flag, value in role_flags.items():
+    ``flag`` needs; each given one not in ``names`` (values that are not files)
+    must be an existing file. ValueError names the flags."""
+    for flag, value in values.items():
         if not value:
             continue
-        missing = [other for other in needs.get(flag, ()) if not role_flags.get(other)]
+        missing = [other for other in needs.get(flag, ()) if not values.get(other)]
         if missing:
             raise ValueError(f"{flag} needs {' and '.join(missing)} (TLS settings are never half applied)")
-        if flag != "--tls-peer-identity" and flag != "--upstream-server-name" and not os.path.isfile(value):
+        if flag not in names and not os.path.isfile(value):
             raise ValueError(f"{flag} {value}: no such file")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP, IPv6 in brackets or not) is this machine only."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _read(path: str) -> bytes:

@@ -42,7 +42,7 @@ def scalar(field: pd.FieldDescriptor) -> st.SearchStrategy:
         return st.binary(max_size=40)
     if t == pd.FieldDescriptor.TYPE_ENUM:
         return st.sampled_from([v.number for v in field.enum_type.values])
-    return message(field.message_type).map(lambda m: m)
+    return message(field.message_type)
 
 
 def message(desc: pd.Descriptor, depth: int = 0) -> st.SearchStrategy:
