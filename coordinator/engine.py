@@ -35,7 +35,7 @@ from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRe
 from coordinator.learned_gamma import LearnedGamma, regime
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.pinning import Pinned, pin
-from coordinator.pools import ReplicaPool
+from coordinator.pools import DnsName, ReplicaPool, parse_addresses
 from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
 from coordinator.turn import Services, Turn, open_record
@@ -44,7 +44,7 @@ from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 from specdec.serving.names import check_name
-from specdec.serving.tls import channel_credentials
+from specdec.serving.tls import renewed_channel_credentials
 from specdec.telemetry.observer import CoordinatorObserver, GenerationInfo, generation_span, record_generation
 
 log = logging.getLogger("specdec.coordinator")
@@ -233,13 +233,16 @@ def make_pool(role: str, config: CoordinatorConfig, metrics=None) -> ReplicaPool
     """The ``--draft`` or ``--target`` replicas, one ServiceClient each."""
     pools: list[ReplicaPool] = []
 
-    credentials = channel_credentials(config.upstream_ca, config.upstream_cert, config.upstream_key) \
+    credentials = renewed_channel_credentials(config.upstream_ca, config.upstream_cert, config.upstream_key) \
         if config.upstream_ca else None
+    # A replica found through dns:///NAME is an IP: its certificate is checked for NAME.
+    names = parse_addresses(getattr(config, role))
+    server_name = config.upstream_server_name or (names.name if isinstance(names, DnsName) else "")
 
     def client(address: str) -> ServiceClient:
         made = ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
-                             info_timeout_s=config.info_timeout_s, metrics=metrics, credentials=credentials,
-                             server_name=config.upstream_server_name)
+                             info_timeout_s=config.info_timeout_s, metrics=metrics,
+                             credentials=credentials() if credentials else None, server_name=server_name)
         # A dropped connection (the process died or stopped) takes the replica
         # out at once, not at the next health sweep.
         made.on_connection_lost(lambda: pools and pools[0].report_failure(address, "its connection dropped"))

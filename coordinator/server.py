@@ -131,7 +131,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers, limits=limits)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
-        port = await bind_or_close(server, config.host, config.port, telemetry)
+        port = await bind_or_close(server, config, telemetry)
     except OSError:
         executor.shutdown(wait=False)
         engine.close()

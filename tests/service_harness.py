@@ -70,10 +70,11 @@ class ServiceProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_serving(self, timeout: float = 90, service: str = "") -> ServiceProcess:
-        """Until gRPC health says SERVING for ``service`` ("": the server as a whole)."""
+    def wait_serving(self, timeout: float = 90, service: str = "", address: str | None = None) -> ServiceProcess:
+        """Until gRPC health says SERVING for ``service`` ("": the server as a whole),
+        asked in plaintext on ``address`` (None: the service's own)."""
         fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
-        with grpc.insecure_channel(self.address, options=fast_reconnect) as ch:
+        with grpc.insecure_channel(address or self.address, options=fast_reconnect) as ch:
             health = health_pb2_grpc.HealthStub(ch)
             deadline = time.time() + timeout
             while True:

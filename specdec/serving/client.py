@@ -88,11 +88,14 @@ class Client:
     reach the coordinator over TLS, verified against this CA file (PEM), with
     ``tls_cert`` / ``tls_key`` as the client's own certificate if it asks for one
     (defaults: ``SPECDEC_CLIENT_TLS_CA``, ``_CERT``, ``_KEY``), so the command-line
-    tools take them from the environment too."""
+    tools take them from the environment too. ``tls_server_name`` (default
+    ``SPECDEC_CLIENT_TLS_SERVER_NAME``): the name the coordinator's certificate
+    must carry, when it is not the address's host (through a port-forward)."""
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  max_message_bytes: int = 64 << 20, failover_s: float | None = None, token: str | None = None,
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None):
         # One address, several, or several in one string: "c1:50051,c2:50051".
         parts = address.split(",") if isinstance(address, str) else list(address)
         self.addresses = [a.strip() for a in parts if a.strip()]
@@ -111,6 +114,8 @@ class Client:
         ]
         credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
         if credentials is not None:
+            name = tls_server_name if tls_server_name is not None else os.environ.get(f"{TLS_ENV}_SERVER_NAME", "")
+            options += [("grpc.ssl_target_name_override", name)] if name else []
             self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
         else:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]

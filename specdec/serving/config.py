@@ -75,6 +75,10 @@ class BaseServiceConfig(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)",
         json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
+    health_port: int = Field(
+        0, ge=0, le=65535, description="also answer gRPC health checks, and only those, in plaintext on this "
+        "port: for probes that cannot speak TLS, such as the kubelet's (0: off)",
+        json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
     reflection: bool = Field(True, description="serve gRPC server reflection (grpcurl can list and call the "
                              "services); --no-reflection hides the schema")
     tls_cert: str = Field("", description="serve TLS with this certificate (PEM; with --tls-key); re-read when "
@@ -258,8 +262,9 @@ class CoordinatorConfig(BaseServiceConfig):
     upstream_key: str = Field("", description="the private key of --upstream-cert",
                               json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
     upstream_server_name: str = Field(
-        "", description="with --upstream-ca: the name the model services' certificates must carry, when their "
-        "addresses (IPs from dns:///) do not", json_schema_extra={"metavar": "NAME", **ROLE_ONLY})
+        "", description="with --upstream-ca: the name the model services' certificates must carry, when it is "
+        "not the host of their address (for dns:///NAME:PORT, NAME)",
+        json_schema_extra={"metavar": "NAME", **ROLE_ONLY})
     lease_s: float = Field(
         5.0, gt=0, description="with --redis: how long a session stays leased to a coordinator that stopped "
         "renewing it (died); a resumed turn waits up to this long to take the session over",

@@ -336,7 +336,7 @@ async def start_model_service(
                         metrics=telemetry.metrics if telemetry else None, reflection=config.reflection,
                         tls=config.server_tls, peers=config.peer_identities)
     add_servicer(host, server.server)
-    port = await bind_or_close(server, config.host, config.port, telemetry)
+    port = await bind_or_close(server, config, telemetry)
     await server.start()
     log.info("%s service listening on %s:%d (loading model %s on %s)",
              config.role, config.host, port, runner.path if runner else config.model_path(), config.device)

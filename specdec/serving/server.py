@@ -9,6 +9,8 @@ besides its own servicer:
 * the standard health service: NOT_SERVING from start until :meth:`set_serving`
   (i.e. until the model is loaded) and again while draining;
 * server reflection (``grpcurl`` can list and call the services);
+* optionally a second, plaintext port answering health checks only
+  (:meth:`GrpcServer.bind_health`): the kubelet's gRPC probes cannot speak TLS;
 * graceful drain: :func:`serve_until_signal` waits for SIGTERM/SIGINT, flips
   health to NOT_SERVING, stops accepting calls, lets in-flight calls finish
   within a grace period and returns, so the process exits 0.
@@ -111,6 +113,7 @@ class GrpcServer:
             grpc_reflection.enable_server_reflection(
                 [*self.service_names, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME], self.server
             )
+        self.health_server: grpc.aio.Server | None = None  # see bind_health
         self.port: int | None = None
         self.address: str | None = None
         self.draining = False
@@ -136,10 +139,29 @@ class GrpcServer:
         self.address = f"{host}:{bound}"
         return bound
 
+    def bind_health(self, host: str, port: int) -> int:
+        """Answer gRPC health checks, and nothing else, in plaintext on
+        ``host:port`` too: for the kubelet's gRPC probes, which cannot speak TLS.
+        The answers are those of the service port (one health servicer). Returns
+        the bound port."""
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        try:
+            bound = self.health_server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(f"cannot listen on {address} for health checks: the port is in use, or the host is "
+                          f"not an address of this machine")
+        return bound
+
     async def start(self) -> None:
         """Start answering calls; health stays NOT_SERVING until :meth:`set_serving`."""
         await self._set_health(NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool) -> None:
         if self.draining and serving:
@@ -165,20 +187,31 @@ class GrpcServer:
         self.draining = True
         await self.stop_serving()
         log.info("draining %s: finishing in-flight calls (grace %.0f s)", self.address, grace_s)
-        await self.server.stop(grace_s)
+        await self.server.stop(grace_s)  # (the health port answers NOT_SERVING meanwhile)
+        await self._stop_health()
         log.info("stopped %s", self.address)
 
     async def stop(self) -> None:
         """Stop at once (tests)."""
         self.draining = True
         await self.server.stop(None)
+        await self._stop_health()
+
+    async def _stop_health(self) -> None:
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
 
-async def bind_or_close(server: GrpcServer, host: str, port: int, telemetry=None) -> int:
-    """:meth:`GrpcServer.bind`; if that fails, stop the server (and the metrics
-    endpoint) before raising, so the process exits with the message alone."""
+async def bind_or_close(server: GrpcServer, config, telemetry=None) -> int:
+    """:meth:`GrpcServer.bind` to ``config.host`` and ``config.port``, and
+    :meth:`GrpcServer.bind_health` to ``config.health_port`` if set; if either
+    fails, stop the server (and the metrics endpoint) before raising, so the
+    process exits with the message alone. Returns the service port."""
     try:
-        return server.bind(host, port)
+        port = server.bind(config.host, config.port)
+        if config.health_port:
+            server.bind_health(config.host, config.health_port)
+        return port
     except OSError:
         await server.stop()
         if telemetry is not None:

@@ -10,8 +10,10 @@ is refused. The coordinator reaches model services over TLS when given
 
 The server re-reads its certificate, key and CA when their files change: the
 next connection uses the new ones, connections already open (and their
-streams) go on. Incomplete settings fail at start-up; nothing falls back to
-plaintext.
+streams) go on. The coordinator reads its upstream files again for each
+replica client it makes (a replica that joins, or comes back at a new
+address); a client already made keeps the certificate it was made with.
+Incomplete settings fail at start-up; nothing falls back to plaintext.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ipaddress
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -113,6 +116,30 @@ def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelC
     """A client's TLS: the CA to verify the server with, and its own certificate (mutual TLS)."""
     return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key) if key else None,
                                         certificate_chain=_read(cert) if cert else None)
+
+
+def renewed_channel_credentials(ca: str, cert: str = "", key: str = "") -> Callable[[], grpc.ChannelCredentials]:
+    """``channel_credentials`` that follow the files: each call returns the
+    credentials of the files as they are now (read again only when they
+    changed; a half-written renewal keeps the last good ones). A channel keeps
+    the credentials it was made with, so a client made after a renewal presents
+    the renewed certificate."""
+    files = tuple(f for f in (ca, cert, key) if f)
+    lock = threading.Lock()
+    state = {"stamp": _stamp(files), "credentials": channel_credentials(ca, cert, key)}
+
+    def current() -> grpc.ChannelCredentials:
+        stamp = _stamp(files)
+        with lock:
+            if stamp != state["stamp"]:
+                try:
+                    state["credentials"], state["stamp"] = channel_credentials(ca, cert, key), stamp
+                    log.info("upstream TLS files changed: clients made from now on present the new certificate")
+                except OSError as e:  # tried again at the next call
+                    log.warning("upstream TLS files changed but could not be read (%s): keeping the last ones", e)
+            return state["credentials"]
+
+    return current
 
 
 def peer_identities(context) -> set[str]:

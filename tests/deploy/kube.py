@@ -321,17 +321,31 @@ class SpecdecContainer:
     def pod(self) -> dict:
         return pod_template(self.workload)["spec"]
 
+    def mount(self, path: str) -> dict | None:
+        """The volume mount ``path`` lies in (None: it is in none)."""
+        for mount in self.container.get("volumeMounts", []):
+            if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+                return mount
+        return None
+
     def config(self) -> BaseServiceConfig:
         """The settings the service starts with: its arguments parsed by specdec's
-        own command line, then its config class reading this environment alone."""
+        own command line, then its config class reading this environment alone.
+        A file in one of the container's volumes stands as present (its contents
+        are the cluster's: certificates, the client tokens)."""
         from specdec.cli import build_parser
+        from specdec.serving import config as config_module
 
         assert self.argv[0] == "specdec", f"{self.name} runs {self.argv[0]}, not specdec"
         try:
             args = build_parser(only=self.command).parse_args(self.argv[1:])
         except SystemExit:
             pytest.fail(f"{self.name}: specdec does not accept the arguments {self.argv[1:]}")
-        with mock.patch.dict(os.environ, self.env, clear=True):
+        isfile, parse_tokens = os.path.isfile, config_module.parse_tokens
+        with mock.patch.dict(os.environ, self.env, clear=True), \
+                mock.patch("specdec.serving.tls.os.path.isfile", lambda p: bool(self.mount(str(p))) or isfile(p)), \
+                mock.patch.object(config_module, "parse_tokens",
+                                  lambda tokens, file: None if self.mount(file) else parse_tokens(tokens, file)):
             return CONFIG_CLASSES[self.role].load(vars(args))
 
 

@@ -16,8 +16,9 @@ from specdec.serving.config import CONFIG_CLASSES, env_names
 
 import kube
 
-# Kinds from CRDs, which kubernetes-validate has no schema for: the Prometheus Operator's.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# Kinds from CRDs, which kubernetes-validate has no schema for: the Prometheus Operator's and cert-manager's.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate"),
+             ("cert-manager.io/v1", "Issuer")}
 # Read by torch, not by specdec's settings: its CPU thread count.
 TORCH_VARIABLES = {"OMP_NUM_THREADS"}
 # After the drain a service flushes its last spans (up to 3 s) and exits.
@@ -84,12 +85,14 @@ def test_specdec_writes_only_to_an_empty_dir_at_its_home():
             assert "emptyDir" in volume, f"{name} {sc.name}"
 
 
-def test_specdec_probes_ask_grpc_health_on_the_port_the_service_listens_on(objects):
+def test_specdec_probes_ask_grpc_health_on_the_plaintext_health_port_the_service_opens(objects):
     for sc in kube.specdec_containers(objects):
         config = sc.config()
         assert kube.container_port(sc.container, "grpc") == config.port, sc.name
+        # the kubelet's gRPC probes speak plaintext only: not the service port, which may speak TLS
+        assert config.health_port and kube.container_port(sc.container, "health") == config.health_port, sc.name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert sc.container[probe]["grpc"]["port"] == config.port, f"{sc.name} {probe}"
+            assert sc.container[probe]["grpc"]["port"] == config.health_port, f"{sc.name} {probe}"
         startup = sc.container["startupProbe"]
         budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
         # a model service may take minutes to load a large model; the coordinator loads a tokenizer
@@ -182,7 +185,8 @@ def test_every_flag_variable_and_port_is_one_the_services_accept(objects):
         config = sc.config()  # fails on an argument specdec does not accept
         for var in sc.container.get("env", []):
             assert var["name"] in accepted(role), f"{sc.name}: {role} does not read {var['name']}"
-        assert {p["containerPort"] for p in sc.container["ports"]} == {config.port, config.metrics_port}
+        assert {p["containerPort"] for p in sc.container["ports"]} == {config.port, config.metrics_port,
+                                                                       config.health_port}
         annotations = kube.pod_template(sc.workload)["metadata"]["annotations"]
         assert int(annotations["prometheus.io/port"]) == config.metrics_port == kube.container_port(
             sc.container, "metrics"), sc.name

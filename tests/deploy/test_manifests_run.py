@@ -6,7 +6,13 @@ container behind it, each volume is a local folder, the collector is an
 in-memory OTLP receiver and Redis a local redis-server. Then, as the kubelet would: wait for each readiness
 probe (gRPC health on the probe's port), stream a Generate through the
 coordinator's Service, and SIGTERM every process, which must exit within its
-terminationGracePeriodSeconds."""
+terminationGracePeriodSeconds.
+
+With components/tls and components/client-auth, what cert-manager and the
+operator would put in the Secrets is made here: a CA, and for each Certificate
+a pod mounts a certificate with the names the object asks for (and 127.0.0.1,
+where its Service's name leads here); a tokens file. The client then needs the
+CA and a token, and every hop is TLS."""
 
 from __future__ import annotations
 
@@ -18,10 +24,16 @@ import subprocess
 import time
 import urllib.request
 
+import grpc
+import pytest
 from redis_server import RedisServer
+from tls_certs import CA
 
 from specdec import SpeculativeDecoder
 from specdec.models import bundled
+from specdec.proto import specdec_pb2 as pb
+from specdec.proto import specdec_pb2_grpc as pb_grpc
+from specdec.serving import errors
 from specdec.serving.client import Client, Delta
 from specdec.serving.server import free_port
 from specdec.tools.otlp_receiver import OtlpReceiver
@@ -32,6 +44,9 @@ from service_harness import ServiceProcess
 PROMPT = "def fibonacci(n):"
 NEW_TOKENS = 32
 SERVICES = {"specdec-coordinator", "specdec-draft", "specdec-target"}  # their spans' service.name
+COMPONENTS = kube.KUBERNETES / "components"
+SECURED = (COMPONENTS / "tls", COMPONENTS / "client-auth")
+TOKEN = "the-test-clients-token"
 
 
 class LocalCluster:
@@ -62,10 +77,11 @@ class LocalCluster:
             return str(self.port(sc.workload, int(value)))
         value = kube.ADDRESS.sub(lambda m: self.address(m["host"], int(m["port"]))
                                  if kube.service_host(self.objects, m["host"]) else m[0], value)
-        for mount in sc.container.get("volumeMounts", []):
+        mounts = sorted(sc.container.get("volumeMounts", []), key=lambda m: -len(m["mountPath"]))
+        for mount in mounts:  # the deepest mount holds the path; one rewrite only
             path = mount["mountPath"]
             if value == path or value.startswith(path + "/"):
-                value = str(self.volume(sc, mount)) + value[len(path):]
+                return str(self.volume(sc, mount)) + value[len(path):]
         return value
 
     def start(self, sc: kube.SpecdecContainer) -> ServiceProcess:
@@ -77,9 +93,32 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECDEC_", "OTEL_"))}
         env |= {name: self.local(sc, value) for name, value in sc.env.items()}
         argv = [kube.tool(sc.argv[0], "specdec")] + [self.local(sc, a) for a in sc.argv[1:]]
-        probe = sc.container["readinessProbe"]["grpc"]
-        health = f"127.0.0.1:{self.port(sc.workload, probe['port'])}"
-        return ServiceProcess(sc.name, argv, self.root, health, env=env, cwd=self.root)
+        address = f"127.0.0.1:{self.port(sc.workload, kube.container_port(sc.container, 'grpc'))}"
+        return ServiceProcess(sc.name, argv, self.root, address, env=env, cwd=self.root)
+
+    def secret_volume(self, secret: str) -> list[pathlib.Path]:
+        """The local folders of every pod's volume of this Secret."""
+        found = []
+        for sc in kube.specdec_containers(self.objects):
+            volumes = {v["name"]: v for v in sc.pod.get("volumes", [])}
+            for mount in sc.container.get("volumeMounts", []):
+                if volumes[mount["name"]].get("secret", {}).get("secretName") == secret:
+                    found.append(self.volume(sc, mount))
+        return found
+
+    def issue_certificates(self) -> CA | None:
+        """What cert-manager would write into each mounted Certificate's Secret (None: no Certificate)."""
+        certificates = [c for c in kube.of_kind(self.objects, "Certificate") if not c["spec"].get("isCA")]
+        if not certificates:
+            return None
+        ca = CA(self.root / "ca")
+        for certificate in certificates:
+            spec = certificate["spec"]
+            for folder in self.secret_volume(spec["secretName"]):
+                ca.issue("tls", dns=spec.get("dnsNames", []), uris=spec.get("uris", []), ips=["127.0.0.1"],
+                         folder=folder)
+                (folder / "ca.crt").write_bytes(pathlib.Path(ca.path).read_bytes())
+        return ca
 
 
 @contextlib.contextmanager
@@ -95,11 +134,13 @@ def local_port(cluster: LocalCluster, address) -> int:
     return int(cluster.address(address["host"], int(address["port"])).split(":")[1])
 
 
-def wait_ready(process: ServiceProcess, sc: kube.SpecdecContainer) -> None:
-    """As the kubelet does: the startup probe's budget to pass the readiness probe."""
-    startup = sc.container["startupProbe"]
+def wait_ready(sc: kube.SpecdecContainer, cluster: LocalCluster, process: ServiceProcess) -> None:
+    """As the kubelet does: the startup probe's budget to pass the readiness probe
+    (gRPC health, in plaintext, on the probe's port)."""
+    startup, probe = sc.container["startupProbe"], sc.container["readinessProbe"]["grpc"]
     budget = startup["periodSeconds"] * startup["failureThreshold"]
-    process.wait_serving(timeout=min(budget, 120), service=sc.container["readinessProbe"]["grpc"].get("service", ""))
+    process.wait_serving(timeout=min(budget, 120), service=probe.get("service", ""),
+                         address=f"127.0.0.1:{cluster.port(sc.workload, probe['port'])}")
 
 
 def target_only(prompt: str, n: int) -> list[int]:
@@ -122,9 +163,18 @@ def scrape(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str:
         return r.read().decode()
 
 
-def assert_kv_budget_fits_the_memory_limit(process: ServiceProcess, sc: kube.SpecdecContainer) -> None:
+def model_info(process: ServiceProcess, sc: kube.SpecdecContainer, coordinator_tls) -> pb.ModelInfo:
+    """A model service's GetModelInfo, over mutual TLS as the coordinator when the pods speak it."""
+    if coordinator_tls is None:
+        return process.model_info(sc.role)
+    ca, cert, key = (pathlib.Path(f).read_bytes() for f in coordinator_tls)
+    with grpc.secure_channel(process.address, grpc.ssl_channel_credentials(ca, key, cert)) as channel:
+        stub = (pb_grpc.DraftServiceStub if sc.role == "draft" else pb_grpc.TargetServiceStub)(channel)
+        return stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+
+
+def assert_kv_budget_fits_the_memory_limit(info: pb.ModelInfo, sc: kube.SpecdecContainer) -> None:
     """The cache grows in steps of up to 1.5x its tokens; the process itself needs about half a GiB."""
-    info = process.model_info(sc.role)
     cache = 1.5 * info.kv_budget_tokens * info.kv_bytes_per_token
     limit = kube.quantity(sc.container["resources"]["limits"]["memory"])
     assert cache + 2**29 <= limit, f"{sc.name}: a full KV budget takes {cache / 2**20:.0f} MiB of {limit / 2**20:.0f}"
@@ -146,10 +196,31 @@ def stop_as_the_kubelet_does(processes: dict[str, ServiceProcess], roles: dict[s
         assert process.proc.returncode == 0, f"{role} exited {process.proc.returncode}:\n{process.log()}"
 
 
-def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path):
-    objects = kube.render(kube.OVERLAYS["cpu"])
+def coordinator_credentials(cluster: LocalCluster, sc: kube.SpecdecContainer) -> tuple[str, str, str] | None:
+    """The coordinator's upstream CA, certificate and key, as files here (None: plaintext)."""
+    config = sc.config()
+    if not config.upstream_ca:
+        return None
+    return tuple(cluster.local(sc, f) for f in (config.upstream_ca, config.upstream_cert, config.upstream_key))
+
+
+def give_client_tokens(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str | None:
+    """The tokens Secret an operator creates, with one client (None: no authentication)."""
+    path = getattr(sc.config(), "auth_tokens_file", "")
+    if not path:
+        return None
+    pathlib.Path(cluster.local(sc, path)).write_text("# NAME TOKEN\ntest-client " + TOKEN + "\n")
+    return TOKEN
+
+
+@pytest.mark.parametrize("components", [(), SECURED], ids=["cpu", "cpu+tls+client-auth"])
+def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path, components):
+    objects = kube.render_with(kube.OVERLAYS["cpu"], components) if components else kube.render(kube.OVERLAYS["cpu"])
     roles = kube.by_role(objects)
     cluster = LocalCluster(objects, tmp_path)
+    ca = cluster.issue_certificates()
+    assert (ca is not None) == bool(components)
+    token = give_client_tokens(cluster, roles["coordinator"])
     (collector,) = kube.addresses(roles["coordinator"].env["OTEL_EXPORTER_OTLP_ENDPOINT"])
     (redis,) = kube.addresses(roles["coordinator"].env["SPECDEC_COORDINATOR_REDIS"])
     directory = RedisServer(tmp_path / "redis", port=local_port(cluster, redis)).start()
@@ -158,15 +229,24 @@ def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path):
         try:
             expected = target_only(PROMPT, NEW_TOKENS)  # while they start
             for role, process in processes.items():
-                wait_ready(process, roles[role])
-            with Client(coordinator_address(cluster, roles["coordinator"]), timeout=60) as client:
+                wait_ready(roles[role], cluster, process)
+            address = coordinator_address(cluster, roles["coordinator"])
+            tls = {"tls_ca": ca.path} if ca else {}
+            with Client(address, timeout=60, token=token, **tls) as client:
                 events = list(client.generate(PROMPT, max_new_tokens=NEW_TOKENS))
             assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == expected
             assert events[-1].finish_reason == "length"
+            if components:  # no plaintext, and no call without a token
+                with Client(address, timeout=10) as plain, pytest.raises(errors.Unavailable):
+                    plain.complete(PROMPT, max_new_tokens=2)
+                with Client(address, timeout=10, **tls) as anonymous, pytest.raises(errors.Unauthenticated):
+                    anonymous.complete(PROMPT, max_new_tokens=2)
             for sc in roles.values():
                 assert "specdec_rpc_server_duration_seconds" in scrape(cluster, sc), sc.name
+            upstream = coordinator_credentials(cluster, roles["coordinator"])
             for role in ("draft", "target"):
-                assert_kv_budget_fits_the_memory_limit(processes[role], roles[role])
+                assert_kv_budget_fits_the_memory_limit(model_info(processes[role], roles[role], upstream), roles[role])
+                assert ("without TLS" in processes[role].log()) != bool(components), processes[role].log()
             stop_as_the_kubelet_does(processes, roles)
         finally:
             for process in processes.values():

@@ -1,0 +1,64 @@
+"""The coordinator's upstream credentials follow renewed certificate files,
+checked against a real mutual-TLS gRPC server that answers with the identity
+its caller's certificate names."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent import futures
+
+import grpc
+import pytest
+from tls_certs import CA
+
+from specdec.serving.server import free_port
+from specdec.serving.tls import ServerTls, peer_identities, renewed_channel_credentials, server_credentials
+
+WHO = "/test.Identity/Who"
+
+
+@pytest.fixture
+def ca(tmp_path):
+    return CA(tmp_path / "ca")
+
+
+@pytest.fixture
+def address(ca, tmp_path):
+    cert, key = ca.issue("server", ips=["127.0.0.1"], folder=tmp_path / "server")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    answer = grpc.unary_unary_rpc_method_handler(lambda request, context: ",".join(sorted(peer_identities(context)))
+                                                 .encode())
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Identity", {"Who": answer})])
+    port = free_port()
+    server.add_secure_port(f"127.0.0.1:{port}", server_credentials(ServerTls(cert, key, ca.path)))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def who(address: str, credentials: grpc.ChannelCredentials) -> str:
+    with grpc.secure_channel(address, credentials) as channel:
+        return channel.unary_unary(WHO)(b"", timeout=10).decode()
+
+
+def test_clients_made_after_a_renewal_present_the_renewed_certificate(ca, address, tmp_path):
+    folder = tmp_path / "client"
+    cert, key = ca.issue("tls", uris=["spiffe://specdec/coordinator-1"], folder=folder)
+    current = renewed_channel_credentials(ca.path, cert, key)
+    first = current()
+    assert current() is first  # files unchanged: nothing read again
+    assert who(address, first) == "spiffe://specdec/coordinator-1"
+
+    renewed = tmp_path / "renewed"  # as cert-manager does: a new pair, put in place whole
+    ca.issue("tls", uris=["spiffe://specdec/coordinator-2"], folder=renewed)
+    for name in ("tls.crt", "tls.key"):
+        shutil.copyfile(renewed / name, folder / name)
+    assert who(address, current()) == "spiffe://specdec/coordinator-2"
+
+
+def test_unreadable_renewed_files_keep_the_last_credentials(ca, tmp_path):
+    cert, key = ca.issue("tls", uris=["spiffe://specdec/coordinator"], folder=tmp_path / "client")
+    current = renewed_channel_credentials(ca.path, cert, key)
+    first = current()
+    (tmp_path / "client" / "tls.key").unlink()  # a renewal half done
+    assert current() is first
