@@ -242,7 +242,7 @@ def make_pool(role: str, config: CoordinatorConfig, metrics=None) -> ReplicaPool
     def client(address: str) -> ServiceClient:
         made = ServiceClient(role, address, call_timeout_s=config.call_timeout_s,
                              info_timeout_s=config.info_timeout_s, metrics=metrics,
-                             credentials=credentials() if credentials else None, server_name=server_name)
+                             credentials=credentials, server_name=server_name)
         # A dropped connection (the process died or stopped) takes the replica
         # out at once, not at the next health sweep.
         made.on_connection_lost(lambda: pools and pools[0].report_failure(address, "its connection dropped"))

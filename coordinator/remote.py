@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -63,37 +64,60 @@ class ServiceClient:
     """One draft or target service: channel, stub, deadlines, error translation."""
 
     def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float, metrics=None,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+                 credentials: Callable[[], grpc.ChannelCredentials] | None = None, server_name: str = ""):
         self.role = role  # "draft" | "target"
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.info_timeout_s = info_timeout_s
-        if credentials is None:
-            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        else:  # TLS; the name its certificate must carry, when the address (an IP) is not it
-            named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-            self.channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + named)
-        stub_cls = pb_grpc.DraftServiceStub if role == "draft" else pb_grpc.TargetServiceStub
-        self.stub = stub_cls(self.channel)
+        # TLS: the current credentials (renewed files are read again), and the
+        # name the service's certificate must carry when the address (an IP) is not it.
+        self._credentials, self._server_name = credentials, server_name
+        self._lost: list[Callable[[], None]] = []  # on_connection_lost callbacks
+        self._watcher = None  # the connectivity callback of the current channel
         # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
         self.calls = ClientCalls(role, DRAFT_SERVICE if role == "draft" else TARGET_SERVICE, metrics)
-        self._watchers: list = []  # connectivity callbacks, unsubscribed on close
         self.timed_out_at = float("-inf")  # when a call last ran out its deadline
+        self._open(credentials() if credentials else None)
 
-    def on_connection_lost(self, lost) -> None:
-        """Call ``lost()`` (on a grpc thread) whenever the channel leaves READY:
-        the connection dropped, so what answers next may be another process (a
-        restart, perhaps with another model or other limits) or, after the
-        channel's idle timeout, the same one."""
+    def _open(self, credentials: grpc.ChannelCredentials | None) -> None:
+        if credentials is None:
+            channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        else:
+            named = [("grpc.ssl_target_name_override", self._server_name)] if self._server_name else []
+            channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS + named)
         previous = [None]
 
         def changed(state: grpc.ChannelConnectivity) -> None:
             if previous[0] == grpc.ChannelConnectivity.READY and state != grpc.ChannelConnectivity.READY:
-                lost()
+                self._connection_lost(channel)
             previous[0] = state
 
-        self.channel.subscribe(changed)
-        self._watchers.append(changed)
+        self.channel, self._in_use = channel, credentials
+        self.stub = (pb_grpc.DraftServiceStub if self.role == "draft" else pb_grpc.TargetServiceStub)(channel)
+        channel.subscribe(changed)
+        self._watcher = changed
+
+    def _connection_lost(self, channel: grpc.Channel) -> None:
+        """The channel left READY (on a grpc thread). Its calls have failed or it
+        went idle, so if the TLS files were renewed meanwhile, this is when a new
+        channel takes over: the next connection presents the renewed
+        certificate, not the one this channel was made with (which expires)."""
+        renewed = self._credentials() if self._credentials else None
+        if channel is self.channel and renewed is not self._in_use:
+            old, watcher = self.channel, self._watcher
+            self._open(renewed)
+            log.info("%s service %s: reconnecting with renewed TLS credentials", self.role, self.address)
+            # closed off this grpc callback thread
+            threading.Thread(target=_close_channel, args=(old, watcher), daemon=True).start()
+        for lost in self._lost:
+            lost()
+
+    def on_connection_lost(self, lost: Callable[[], None]) -> None:
+        """Call ``lost()`` (on a grpc thread) whenever the channel leaves READY:
+        the connection dropped, so what answers next may be another process (a
+        restart, perhaps with another model or other limits) or, after the
+        channel's idle timeout, the same one."""
+        self._lost.append(lost)
 
     def model_info(self) -> pb.ModelInfo:
         """A service that is still starting (not listening yet, or loading its
@@ -151,9 +175,14 @@ class ServiceClient:
         return err
 
     def close(self) -> None:
-        for callback in self._watchers:
-            self.channel.unsubscribe(callback)
-        self.channel.close()
+        self._lost.clear()
+        _close_channel(self.channel, self._watcher)
+
+
+def _close_channel(channel: grpc.Channel, watcher) -> None:
+    if watcher is not None:
+        channel.unsubscribe(watcher)
+    channel.close()
 
 
 def _details(e: grpc.RpcError) -> str:

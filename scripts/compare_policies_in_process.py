@@ -22,6 +22,7 @@ from specdec.core.gamma import AdaptiveGamma, parse_gamma_policy
 from specdec.core.interfaces import SamplingParams
 from specdec.models import bundled
 from specdec.models.decoder import SpeculativeDecoder
+from specdec.models.runner import ModelRunner
 from specdec.tools.eval_pair import held_out_streams, make_prompts
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     lean = SpeculativeDecoder(bundled.target_path(), bundled.draft_path())
     decoders = {"lean": lean}
     if "hf" in forwards:
-        decoders["hf"] = SpeculativeDecoder(lean.target, bundled.draft_path(), lean_draft=False)
+        decoders["hf"] = SpeculativeDecoder(lean.target, ModelRunner(bundled.draft_path()))
     prompts = make_prompts(held_out_streams(lean.tokenizer), args.prompts, 128, args.tokens, seed=0)
     # "static:0" is the target alone: the draft's forward does not matter there.
     names = [p if p == "static:0" or len(forwards) == 1 else f"{p} ({f} draft)"

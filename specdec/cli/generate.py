@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=None,
                    help="drafted tokens per round (--local; default 4, 0 = target only)")
     p.add_argument("--device", default=None, help="device for the models (--local; default cpu), e.g. cuda:0")
+    p.add_argument("--lean-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="(--local) run Llama-architecture models through specdec's lean forward, as the services "
+                        "do (default); --no-lean-forward: Hugging Face's")
     p.add_argument("--session", default="", metavar="ID",
                    help="(--coordinator) continue the named session: the prompt is appended to its history")
     p.add_argument("--gamma-policy", default="", metavar="POLICY",
@@ -59,7 +62,7 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-LOCAL_ONLY = ("target", "draft", "gamma", "device")  # a coordinator's services have their own
+LOCAL_ONLY = ("target", "draft", "gamma", "device", "lean_forward")  # a coordinator's services have their own
 REMOTE_ONLY = ("session", "gamma_policy")
 
 
@@ -95,7 +98,8 @@ def _run_local(args: argparse.Namespace) -> int:
     if str(draft).lower() == "none":
         draft = None
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None  # before loading
-    dec = SpeculativeDecoder(target=target, draft=draft, device=args.device or "cpu")
+    dec = SpeculativeDecoder(target=target, draft=draft, device=args.device or "cpu",
+                             lean=args.lean_forward is not False)
     if prompt_ids is None:
         if dec.tokenizer is None:
             raise ValueError(f"{target} has no tokenizer: pass --prompt-ids")

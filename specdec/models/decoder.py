@@ -69,8 +69,10 @@ class SpeculativeDecoder:
     >>> dec = SpeculativeDecoder(target="path/to/target", draft="path/to/draft")
     >>> out = dec.generate(prompt_ids, max_new_tokens=64, gamma=4)
 
-    A draft loaded from a path runs through specdec.models.lean_llama when it can
-    (``lean_draft=False``: Hugging Face's forward); the target never does.
+    A model loaded from a path runs through specdec.models.lean_llama when it can,
+    as the services' models do (``lean=False``: Hugging Face's forward for both).
+    The lean target's logits equal Hugging Face's to float rounding, so its
+    greedy output is Hugging Face's except where two tokens tie to the last bit.
     """
 
     def __init__(
@@ -81,12 +83,12 @@ class SpeculativeDecoder:
         device: str = "cpu",
         draft_device: str | None = None,
         dtype: str = "float32",
-        lean_draft: bool = True,
+        lean: bool = True,
     ):
-        self.target = _runner(target, device, dtype)
+        self.target = _runner(target, device, dtype, lean=lean)
         self.draft = None
-        if draft is not None:  # the draft's forward may be the lean one: its numerics never change the output
-            self.draft = _runner(draft, draft_device or device, dtype, lean=lean_draft)
+        if draft is not None:
+            self.draft = _runner(draft, draft_device or device, dtype, lean=lean)
             check_pair(self.target, self.draft)
 
     @property

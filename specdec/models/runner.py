@@ -54,10 +54,10 @@ class Pass:
 class ModelRunner:
     """A Hugging Face causal LM on one device, with its tokenizer when it has one.
 
-    ``lean=True`` runs a Llama-architecture model through specdec.models.lean_llama
-    (about 40 % less time per token for the bundled draft); for drafts only,
-    whose numerics never change the output. Other models keep Hugging Face's
-    forward, with a log line saying why."""
+    ``lean=True`` runs a Llama-architecture model through specdec.models.lean_llama:
+    the same weights with less Python per token, and several sequences in one
+    pass (:meth:`run_passes`). Other models keep Hugging Face's forward, with a
+    log line saying why."""
 
     def __init__(self, path: str | os.PathLike, device: str = "cpu", dtype: str = "float32", *,
                  lean: bool = False):

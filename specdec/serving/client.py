@@ -113,8 +113,10 @@ class Client:
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
+        name = tls_server_name if tls_server_name is not None else os.environ.get(f"{TLS_ENV}_SERVER_NAME", "")
+        if name and credentials is None:
+            raise ValueError("tls_server_name needs tls_ca (a name is checked only over TLS)")
         if credentials is not None:
-            name = tls_server_name if tls_server_name is not None else os.environ.get(f"{TLS_ENV}_SERVER_NAME", "")
             options += [("grpc.ssl_target_name_override", name)] if name else []
             self._channels = [grpc.secure_channel(a, credentials, options=options) for a in self.addresses]
         else:

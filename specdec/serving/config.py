@@ -99,6 +99,15 @@ class BaseServiceConfig(BaseSettings):
                      "--tls-peer-identity": ("--tls-ca",)}, names=("--tls-peer-identity",))
         return self
 
+    @model_validator(mode="after")
+    def _ports_distinct(self):
+        ports = {"--port": getattr(self, "port", 0), "--metrics-port": self.metrics_port,
+                 "--health-port": self.health_port}
+        if self.health_port and list(ports.values()).count(self.health_port) > 1:
+            clash = " and ".join(flag for flag, port in ports.items() if port == self.health_port)
+            raise ValueError(f"{clash} are both {self.health_port}: the health port must be a port of its own")
+        return self
+
     @property
     def server_tls(self) -> ServerTls | None:
         return ServerTls(self.tls_cert, self.tls_key, self.tls_ca) if self.tls_cert else None

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The health service name a liveness probe asks for: SERVING from start-up to drain.
+LIVENESS = "liveness"
 
 # Fully qualified service names, as health checks and reflection know them.
 DRAFT_SERVICE = "specdec.v1.DraftService"
@@ -154,11 +156,15 @@ class GrpcServer:
         if bound == 0:
             raise OSError(f"cannot listen on {address} for health checks: the port is in use, or the host is "
                           f"not an address of this machine")
+        log.info("gRPC health checks, in plaintext, on %s too", address)
         return bound
 
     async def start(self) -> None:
-        """Start answering calls; health stays NOT_SERVING until :meth:`set_serving`."""
+        """Start answering calls; health stays NOT_SERVING until :meth:`set_serving`,
+        but for ``liveness``, SERVING while the process answers at all (what a
+        liveness probe asks: a service waiting on Redis must not be restarted)."""
         await self._set_health(NOT_SERVING)
+        await self.health.set(LIVENESS, SERVING)
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()

@@ -22,6 +22,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Callable
 
@@ -133,13 +134,23 @@ def renewed_channel_credentials(ca: str, cert: str = "", key: str = "") -> Calla
         with lock:
             if stamp != state["stamp"]:
                 try:
+                    _check_pem(ca, cert, key)
                     state["credentials"], state["stamp"] = channel_credentials(ca, cert, key), stamp
                     log.info("upstream TLS files changed: clients made from now on present the new certificate")
-                except OSError as e:  # tried again at the next call
+                except OSError as e:  # (ssl.SSLError included) tried again at the next call
                     log.warning("upstream TLS files changed but could not be read (%s): keeping the last ones", e)
             return state["credentials"]
 
     return current
+
+
+def _check_pem(ca: str, cert: str, key: str) -> None:
+    """OSError (ssl.SSLError) unless the files parse and the key is the certificate's:
+    gRPC itself would find out only at the next handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cafile=ca)
+    if cert:
+        context.load_cert_chain(cert, key or None)
 
 
 def peer_identities(context) -> set[str]:

@@ -135,12 +135,13 @@ def local_port(cluster: LocalCluster, address) -> int:
 
 
 def wait_ready(sc: kube.SpecdecContainer, cluster: LocalCluster, process: ServiceProcess) -> None:
-    """As the kubelet does: the startup probe's budget to pass the readiness probe
-    (gRPC health, in plaintext, on the probe's port)."""
-    startup, probe = sc.container["startupProbe"], sc.container["readinessProbe"]["grpc"]
+    """As the kubelet does: the startup probe's budget to pass the readiness and
+    liveness probes (gRPC health, in plaintext, on the probes' port)."""
+    startup = sc.container["startupProbe"]
     budget = startup["periodSeconds"] * startup["failureThreshold"]
-    process.wait_serving(timeout=min(budget, 120), service=probe.get("service", ""),
-                         address=f"127.0.0.1:{cluster.port(sc.workload, probe['port'])}")
+    for probe in (sc.container["readinessProbe"]["grpc"], sc.container["livenessProbe"]["grpc"]):
+        process.wait_serving(timeout=min(budget, 120), service=probe.get("service", ""),
+                             address=f"127.0.0.1:{cluster.port(sc.workload, probe['port'])}")
 
 
 def target_only(prompt: str, n: int) -> list[int]:

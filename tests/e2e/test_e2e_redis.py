@@ -116,9 +116,9 @@ def test_a_coordinator_killed_mid_stream_is_resumed_through_another(stack, model
         doomed.stop()
 
 
-def health(address: str) -> int:
+def health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -140,6 +140,8 @@ def test_redis_down_is_a_fast_unavailable_then_service_resumes(stack, reference)
                 client.complete(prompt_ids=[42], max_new_tokens=4, session_id="outage")
             assert time.monotonic() - started < 3
             wait_for(lambda: health(address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            # not ready, yet alive: a liveness probe must not restart it for Redis's outage
+            assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
             # One-shot requests need no directory: they still work.
             assert len(client.complete(prompt_ids=[40], max_new_tokens=3).token_ids) == 3
         finally:

@@ -125,3 +125,24 @@ def test_greedy_speculative_equals_target_only(decoder, prompt):
         out = decoder.generate(ids, max_new_tokens=24, sampling=greedy, gamma=gamma)
         assert out.token_ids == reference.token_ids, f"gamma={gamma}"
         assert sum(out.accepted) <= sum(out.gammas)
+
+
+def test_the_lean_target_decodes_greedily_as_hugging_face_does(decoder):
+    """On the benchmark's own held-out prompts: speculative decoding with the
+    lean target gives exactly Hugging Face's ``generate`` of the target."""
+    import torch
+
+    from specdec import SamplingParams
+    from specdec.tools.eval_pair import held_out_streams, make_prompts
+
+    assert decoder.target.lean
+    hf = decoder.target.model
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    for prompt in make_prompts(held_out_streams(decoder.tokenizer), 8, 128, 64, seed=0):
+        ids = torch.tensor([prompt], device=hf.device)
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        for gamma in (0, 4):
+            out = decoder.generate(prompt, max_new_tokens=64, sampling=greedy, gamma=gamma)
+            assert out.token_ids == expected[:len(out.token_ids)], f"gamma={gamma}"
+            assert out.finish_reason == "eos" or len(out.token_ids) == 64

@@ -78,14 +78,17 @@ class RandomGamma:
         pass
 
 
-@pytest.fixture(scope="module")
-def memo_pair(tmp_path_factory, device):
+@pytest.fixture(scope="module", params=["lean-target", "hf-target"])
+def memo_pair(request, tmp_path_factory, device):
+    """The target through the lean forward (as every path runs it by default)
+    or through Hugging Face's; the draft through the lean one."""
     from tiny_models import make_noisy_copy, make_tiny_llama
 
     root = tmp_path_factory.mktemp("lossless")
     target = make_tiny_llama(root / "t", vocab_size=V, layers=1, seed=3, logit_scale=3)
     draft = make_noisy_copy(target, root / "d", noise=0.6, seed=4)
-    return MemoRunner(ModelRunner(target, device)), MemoRunner(ModelRunner(draft, device, lean=True))
+    lean_target = request.param == "lean-target"
+    return MemoRunner(ModelRunner(target, device, lean=lean_target)), MemoRunner(ModelRunner(draft, device, lean=True))
 
 
 def exact_distribution(target: MemoRunner, params: SamplingParams) -> torch.Tensor:

@@ -87,6 +87,8 @@ def test_a_flag_overrides_a_bad_variable(monkeypatch):
      "(it sets --gamma-policy)"),
     (CoordinatorConfig, {"default_gamma_policy": "static:9", "gamma_max": 8}, {},
      "--gamma-policy static:9 asks for more than --gamma-max 8"),
+    (TargetConfig, {"health_port": 9464, "metrics_port": 9464}, {},
+     "--metrics-port and --health-port are both 9464: the health port must be a port of its own"),
 ])
 def test_a_bad_value_is_a_value_error_naming_the_flag_or_variable(monkeypatch, cls, flags, env, message):
     for name, value in env.items():

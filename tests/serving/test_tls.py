@@ -62,3 +62,16 @@ def test_unreadable_renewed_files_keep_the_last_credentials(ca, tmp_path):
     first = current()
     (tmp_path / "client" / "tls.key").unlink()  # a renewal half done
     assert current() is first
+
+
+def test_a_renewed_key_that_is_not_the_certificates_keeps_the_last_credentials(ca, tmp_path):
+    """A renewal caught between writing the certificate and its key."""
+    folder = tmp_path / "client"
+    cert, key = ca.issue("tls", uris=["spiffe://specdec/coordinator"], folder=folder)
+    current = renewed_channel_credentials(ca.path, cert, key)
+    first = current()
+    ca.issue("other", folder=folder)
+    shutil.copyfile(folder / "other.key", key)
+    assert current() is first
+    shutil.copyfile(folder / "other.crt", cert)  # the renewal completed
+    assert current() is not first
