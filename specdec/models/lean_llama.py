@@ -1,18 +1,24 @@
-"""A lean forward pass for Llama-architecture drafts.
+"""A lean forward pass for Llama-architecture models: the target and the draft.
 
-Why: a draft proposes one token per forward pass, and for a small draft most of
-that pass is not arithmetic but Python: Hugging Face's module calls, config
-lookups, mask construction and output dataclasses. On the bundled 1-layer draft
-that overhead is about half of each ~1 ms step, and every round pays it γ times.
-This module runs the same weights with plain tensor operations and a KV cache
-of its own (tensors grown as needed; rolling back is lowering a length).
+Why: at the batch sizes of decoding (one to a few tokens per session) a forward
+pass through Hugging Face's modules spends much of its time not on arithmetic
+but on Python: module calls, config lookups, mask construction and output
+dataclasses, paid every layer of every pass. This module runs the same weights
+with a handful of tensor operations per layer and a KV cache of its own
+(tensors grown as needed; rolling back is lowering a length), over a ragged
+batch of sessions in one pass.
 
-Why it is safe: the draft's numerics never change what is generated. The target
-accepts or rejects each draft token against the probabilities the draft actually
-sampled it from (see specdec.core.verification), so any draft distribution q gives
-exactly the target's output. The target always runs through Hugging Face's own
-forward. Logits match Hugging Face's to float rounding (tests/models/test_lean_llama.py);
-that only keeps the acceptance rate the same.
+Its logits equal Hugging Face's to float rounding, in float32 and bfloat16
+(tests/models/test_lean_llama.py). For the draft that is only about acceptance:
+the target judges each draft by the q it was sampled from, so any q gives the
+target's output. For the target it is the output itself: greedy decoding is
+Hugging Face's, but where two tokens tie to the last bit.
+
+The weights are shared with the loaded model, not copied. Each layer's q, k and
+v projections become one matrix, and gate and up another, each stored [in, out]
+so that one product computes them; the model's own modules are left holding
+views of those matrices, so Hugging Face's forward still runs on the same
+memory.
 
 Models this cannot run exactly as Hugging Face would (other architectures,
 quantized or adapted weights, biases, other activations, rotary scalings that
@@ -82,9 +88,51 @@ class LeanCache:
         self.keys, self.values = grown_k, grown_v
 
 
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights as the lean forward multiplies them: every
+    projection [in, out] (``x @ w``), with q, k and v side by side, and gate and up."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [hidden, (heads + 2 kv_heads) * head_dim]
+    o: torch.Tensor  # [heads * head_dim, hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
+    eps: float
+
+
+def _layer_weights(layer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=_side_by_side(attn.q_proj, attn.k_proj, attn.v_proj),
+        o=_side_by_side(attn.o_proj),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=_side_by_side(mlp.gate_proj, mlp.up_proj),
+        down=_side_by_side(mlp.down_proj),
+        eps=layer.input_layernorm.variance_epsilon,
+    )
+
+
+def _side_by_side(*linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights as one [in, Σ out] matrix, so that ``x @ w`` computes
+    all their outputs in one product. Each linear is left holding a view of it
+    (its [out, in] weight, transposed), so the model runs as before and no
+    weight is held twice. [in, out] is also the faster layout for a few rows
+    through MKL's float32 products on CPUs where it falls back to generic code."""
+    fused = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = torch.nn.Parameter(fused[:, start:end].t(), requires_grad=False)
+        start = end
+    return fused
+
+
 class LeanLlama:
     """The forward pass of a loaded ``LlamaForCausalLM`` with plain tensor ops.
-    Shares the model's weights (nothing is copied)."""
+    Shares the model's weights (nothing is copied; see the module docstring)."""
 
     def __init__(self, model):
         reason = unsupported_reason(model)
@@ -92,29 +140,34 @@ class LeanLlama:
             raise ValueError(f"cannot run this model with the lean forward: {reason}")
         config = model.config
         self.model = model
-        self.layers = list(model.model.layers)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_positions = config.max_position_embeddings
+        with torch.no_grad():
+            self.layers = [_layer_weights(layer) for layer in model.model.layers]
+        self.embed = model.model.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.lm_head = model.lm_head.weight.detach()  # [vocab, hidden], the embedding itself when tied
+        norm = model.model.norm
+        self.final_norm, self.final_eps = norm.weight.detach(), norm.variance_epsilon
         self._cos = self._sin = None  # [positions, head_dim] rotary tables, grown on demand
 
     def new_cache(self) -> LeanCache:
-        weight = self.model.model.embed_tokens.weight
         shape = (len(self.layers), self.kv_heads, 0, self.head_dim)  # allocated by the first pass
-        keys = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        keys = torch.empty(shape, dtype=self.embed.dtype, device=self.embed.device)
         return LeanCache(keys=keys, values=torch.empty_like(keys))
 
-    def _rotary(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [end - start, head_dim] from the model's own rotary module."""
+    def _rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [≥ end, head_dim] (see :func:`_rope`), from the model's
+        own rotary module."""
         if self._cos is None or self._cos.shape[0] < end:
             current = 0 if self._cos is None else self._cos.shape[0]
             size = max(end, min(self.max_positions, max(256, 2 * current)))
-            weight = self.model.model.embed_tokens.weight
-            positions = torch.arange(size, device=weight.device)[None]
-            cos, sin = self.model.model.rotary_emb(weight[:1][None], positions)
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos[start:end], self._sin[start:end]
+            positions = torch.arange(size, device=self.embed.device)[None]
+            cos, sin = self.model.model.rotary_emb(self.embed[:1][None], positions)
+            half = self.head_dim // 2
+            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return self._cos, self._sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int) -> torch.Tensor:
@@ -133,7 +186,6 @@ class LeanLlama:
         ([T, hidden] with T the batch's new tokens: where a batch saves time, since
         the weights are read once); attention runs row by row, against the row's
         own cache where it lies. A batch of one row is the unbatched pass."""
-        device = self.model.model.embed_tokens.weight.device
         spans = []  # (first flat index, start position, new tokens) per row
         flat: list[int] = []
         for row in rows:
@@ -142,29 +194,26 @@ class LeanLlama:
             spans.append((len(flat), start, len(row.tokens)))
             flat += row.tokens
         total = len(flat)
-        positions = torch.cat([torch.arange(start, start + n) for _, start, n in spans]).to(device)
-        end = max(start + n for _, start, n in spans)
-        cos, sin = self._rotary(0, end)
-        cos, sin = cos[positions][:, None], sin[positions][:, None]  # [T, 1, head_dim]: one angle per token
+        cos, sin = self._rotary(max(start + n for _, start, n in spans))
+        # one angle per token, broadcast over heads: [T, 1, head_dim]
+        cos = _rows(cos, [(start, n) for _, start, n in spans])[:, None]
+        sin = _rows(sin, [(start, n) for _, start, n in spans])[:, None]
+        heads, kv = self.heads, self.kv_heads
 
-        x = F.embedding(torch.tensor(flat, device=device), self.model.model.embed_tokens.weight)  # [T, hidden]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm)
-            q = _rope(F.linear(h, attn.q_proj.weight).view(total, self.heads, self.head_dim), cos, sin)
-            k = _rope(F.linear(h, attn.k_proj.weight).view(total, self.kv_heads, self.head_dim), cos, sin)
-            v = F.linear(h, attn.v_proj.weight).view(total, self.kv_heads, self.head_dim)
-            out = torch.cat([self._attend(i, row.cache, q, k, v, span) for row, span in zip(rows, spans, strict=True)])
-            x = x + F.linear(out, attn.o_proj.weight)
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
+        x = F.embedding(torch.tensor(flat, device=self.embed.device), self.embed)  # [T, hidden]
+        for i, w in enumerate(self.layers):
+            qkv = (_rms_norm(x, w.input_norm, w.eps) @ w.qkv).view(total, heads + 2 * kv, self.head_dim)
+            qk = _rope(qkv[:, :heads + kv], cos, sin)  # q and k rotated together
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv:]
+            out = [self._attend(i, row.cache, q, k, v, span) for row, span in zip(rows, spans, strict=True)]
+            x = torch.addmm(x, out[0] if len(out) == 1 else torch.cat(out), w.o)  # x + attention @ o
+            gate, up = (_rms_norm(x, w.post_norm, w.eps) @ w.gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, w.down)  # x + mlp
         for row, (_, start, n) in zip(rows, spans, strict=True):
             row.cache.length = start + n
-        kept = torch.cat([torch.arange(first + n - row.logits_to_keep, first + n)
-                          for row, (first, _, n) in zip(rows, spans, strict=True)]).to(device)
-        logits = F.linear(_rms_norm(x[kept], self.model.model.norm), self.model.lm_head.weight)
+        kept = _rows(x, [(first + n - row.logits_to_keep, row.logits_to_keep)
+                         for row, (first, _, n) in zip(rows, spans, strict=True)])
+        logits = F.linear(_rms_norm(kept, self.final_norm, self.final_eps), self.lm_head)
         return list(logits.split([row.logits_to_keep for row in rows]))
 
     def _attend(self, layer: int, cache: LeanCache, q, k, v, span: tuple[int, int, int]) -> torch.Tensor:
@@ -204,15 +253,25 @@ class BatchRow:
     logits_to_keep: int
 
 
-def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [..., head_dim] by position (``cos``, ``sin`` broadcast to it): each half-pair (a, b) of a head's
-    dimensions turns by the position's angle, (a cos - b sin, b cos + a sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rows(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows [start, start + n) of ``x`` for each (start, n), in order: a view
+    when there is one range (a pass of one session), else a copy."""
+    if len(ranges) == 1:
+        start, n = ranges[0]
+        return x[start:start + n]
+    return torch.cat([x[start:start + n] for start, n in ranges])
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [..., head_dim] by position (``cos``, ``signed_sin`` broadcast to it):
+    each half-pair (a, b) of a head's dimensions turns by the position's angle,
+    (a cos - b sin, b cos + a sin). Rolling the halves gives (b, a), and the sine's
+    first half carries the minus sign: three operations instead of six."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
