@@ -375,7 +375,8 @@ class RemoteVerifier:
         self.pinned, self.session, self.stats = pinned, session, stats
 
     def verify(
-        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
+        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams,
+        decode: int = 0,
     ) -> Verdict:
         retries = _Retries(self.session.before_refill)
         refill = not self.pinned.fit() and _move(self.pinned, self.session, "unhealthy")
@@ -390,7 +391,7 @@ class RemoteVerifier:
                 self.session.ids.next_id += 1
             client = self.pinned.client
             request = conv.verify_request(self.session.key, self.session.ids.next_id, position, new_tokens, drafts,
-                                          params)
+                                          params, decode)
             try:
                 with client.calls.call("Verify") as call:
                     started = time.perf_counter()
@@ -424,4 +425,4 @@ class RemoteVerifier:
         self.session.ids.next_id += 1  # Verify ends the round
         t = response.timing
         passes = PassLoad(t.batch_sequences, t.batch_tokens, t.pass_s) if t.batch_sequences else None
-        return Verdict(accepted=response.accepted, next_token=response.next_token, passes=passes)
+        return dataclasses.replace(conv.verdict_from_proto(response), passes=passes)

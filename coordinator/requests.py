@@ -26,6 +26,7 @@ class Request:
     policy: GammaPolicy  # a fresh policy object
     params: SamplingParams  # the seed filled in
     draft_top_k: int  # the k in force
+    plain_tokens: int = 1  # tokens a round without drafts asks of the target
 
     @property
     def gamma_policy(self) -> str:
@@ -55,7 +56,9 @@ class RequestCheck:
         top_k = self.config.default_draft_top_k if job.draft_top_k is None else job.draft_top_k
         if not job.gamma_policy:
             job = dataclasses.replace(job, gamma_policy=self.config.default_gamma_policy)
-        return Request(job, ids, policy, job.sampling.with_seed(), min(top_k, pair.vocab_size))
+        # A call adds at most gamma_max tokens after the target's next one.
+        plain = min(self.config.plain_tokens, pair.gamma_max + 1)
+        return Request(job, ids, policy, job.sampling.with_seed(), min(top_k, pair.vocab_size), plain)
 
     def _check_fields(self, job: GenerateJob, pair: PairInfo) -> None:
         if job.prompt and job.prompt_ids:

@@ -232,7 +232,7 @@ class Turn:
         verifier = RemoteVerifier(services.target, session, self.target_stats)
         self.ended_before = self._complete(text)
         budget = 0 if self.ended_before else self.turn.max_new_tokens - len(self.turn.generated)
-        limits = Limits(budget, pair.context, pair.eos_token_ids, text)
+        limits = Limits(budget, pair.context, pair.eos_token_ids, text, req.plain_tokens)
         return run_rounds(proposer, verifier, self.state, params=self.params, gamma_policy=req.policy,
                           limits=limits, observer=services.observer)
 

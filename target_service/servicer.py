@@ -1,6 +1,7 @@
 """TargetService: decode the request, judge the drafts with
 :func:`specdec.models.local.verify_steps` on the session's sequence (one forward
-pass, batched with other sessions'), answer the verdict.
+pass, batched with other sessions'; then one per token asked for by
+``decode_tokens``), answer the verdict.
 
 Validation, sessions, the batched model passes and timings are shared with the
 draft service in :mod:`specdec.serving.model_host`.
@@ -24,14 +25,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         host = self.host
-        tokens = list(request.draft_tokens)
+        tokens, decode = list(request.draft_tokens), request.decode_tokens
         params = host.check_round(request.session_id, request.position, request.new_tokens,
-                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens")
+                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens", then=decode)
         host.check_vocab(tokens, "draft_tokens")
         qs = [None] * len(tokens) if params.greedy else self._draft_q(request, tokens)
         new_tokens = list(request.new_tokens)
-        key = (request.position, tuple(new_tokens), tuple(tokens), sampling_key(request.sampling))
-        async with host.session(request.session_id, request.position, len(new_tokens) + len(tokens) + 1) as session:
+        key = (request.position, tuple(new_tokens), tuple(tokens), sampling_key(request.sampling), decode)
+        grows = len(new_tokens) + len(tokens) + 1 + decode
+        async with host.session(request.session_id, request.position, grows) as session:
             recorded = session.replay(request.round_id, key)
             if recorded is not None:  # a retried round: answered, not applied twice
                 return recorded
@@ -40,7 +42,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             def steps():
                 drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs, strict=True)]
                 return (yield from verify_steps(host.runner, session.state, request.position, new_tokens, drafts,
-                                                params))
+                                                params, decode))
 
             verdict = await host.run_steps(steps(), timing)
             response = pc.verdict_to_proto(verdict, timing)

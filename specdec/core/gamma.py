@@ -82,23 +82,33 @@ class RoundCost:
     [γ > 0]·(draft_fixed + draft_per_token·γ) + verify_fixed + verify_per_token·γ.
 
     The fixed parts hold the round trips to each service (and per-call
-    overheads); the per-token parts hold compute plus bytes / bandwidth."""
+    overheads); the per-token parts hold compute plus bytes / bandwidth.
+
+    Rounds without drafts may ask the target for several tokens in one call
+    (``Limits.plain_tokens``), paying the round trip once for them all: where
+    such rounds were measured, ``plain_per_token`` is their seconds per token."""
 
     draft_fixed: float
     draft_per_token: float
     verify_fixed: float
     verify_per_token: float
+    plain_per_token: float | None = None
 
     def seconds(self, gamma: int) -> float:
         draft = self.draft_fixed + self.draft_per_token * gamma if gamma else 0.0
         return draft + self.verify_fixed + self.verify_per_token * gamma
+
+    def plain_seconds_per_token(self) -> float:
+        """What a token costs without drafting (γ = 0)."""
+        return self.plain_per_token if self.plain_per_token is not None else self.seconds(0)
 
 
 def best_gamma(alphas: list[float], cost: RoundCost, gamma_max: int, min_gain: float = 0.0) -> int:
     """The γ in [0, gamma_max] maximising expected tokens per second; 0 unless
     drafting beats it by more than ``min_gain`` (a fraction)."""
     # The floor keeps a fit that has not seen enough rounds from dividing by zero.
-    rates = [expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9) for g in range(gamma_max + 1)]
+    rates = [1 / max(cost.plain_seconds_per_token(), 1e-9)]
+    rates += [expected_tokens(alphas, g) / max(cost.seconds(g), 1e-9) for g in range(1, gamma_max + 1)]
     best = max(range(gamma_max + 1), key=rates.__getitem__)
     return best if rates[best] > (1 + min_gain) * rates[0] else 0
 
@@ -177,7 +187,9 @@ class AdaptiveGamma:
     same reason.
 
     Rounds that began with a pre-fill (a new prompt, or a side catching up after
-    γ = 0 rounds) teach acceptance but not cost.
+    γ = 0 rounds) teach acceptance but not cost. Rounds without drafts that
+    asked the target for several tokens teach what a token costs without
+    drafting (one round trip for them all), not the verify line.
 
     Whether to draft at all (γ = 0 is plain target decoding) depends on state,
     because switching costs what the model leaves out (after γ = 0 rounds the
@@ -237,6 +249,7 @@ class AdaptiveGamma:
         self._verify_slope = 0.0  # the last determined slope of verify time in γ
         self._load = _DecayingMean(self.decay)  # sessions sharing the verifying pass
         self._pass = _DecayingLine(self.decay)  # a verifying pass's seconds against its tokens
+        self._plain = _DecayingMean(self.decay)  # seconds per token of rounds decoding several without drafts
         self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
         self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
 
@@ -259,7 +272,7 @@ class AdaptiveGamma:
         if pass_slope is not None:  # what one more token adds to a shared pass
             slope = pass_slope
         return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope),
-                         slope * load)
+                         slope * load, self._plain.value)
 
     def for_new_request(self, carry: float = 0.25) -> AdaptiveGamma:
         """A copy to start the next request from: the round costs belong to the
@@ -344,7 +357,7 @@ class AdaptiveGamma:
         cost = self.cost()
         if cost is None:
             return True
-        plain = cost.seconds(0)
+        plain = cost.plain_seconds_per_token()
         loss = cost.seconds(1) - expected_tokens(self.alphas(), 1) * plain
         return loss <= self.probe_budget * self._since_drafted * plain
 
@@ -385,7 +398,9 @@ class AdaptiveGamma:
         self._load.add(max(1.0, passes.sequences) if passes is not None else 1.0)
         if passes is not None and passes.seconds > 0:
             self._pass.add(passes.tokens, passes.seconds)
-        if not result.target_caught_up:  # a pre-fill is not what a round costs
+        if not result.target_caught_up and not g and len(result.tokens) > 1:
+            self._plain.add(result.verify_s / len(result.tokens))  # several tokens for one call
+        elif not result.target_caught_up:  # a pre-fill is not what a round costs
             if probe:
                 self._check_verify_slope(g, result.verify_s)
             self._verify.add(g, result.verify_s)

@@ -100,6 +100,7 @@ class Verdict:
     accepted: int  # how many drafts were accepted (0..γ)
     next_token: int  # the correction (if accepted < γ) or the bonus token
     passes: PassLoad | None = None  # the forward passes it ran in (a batching target reports them)
+    decoded: tuple[int, ...] = ()  # tokens the target then decoded alone, after next_token (``decode``)
 
 
 class Proposer(Protocol):
@@ -113,10 +114,14 @@ class Proposer(Protocol):
 
 class Verifier(Protocol):
     def verify(
-        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams
+        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams,
+        decode: int = 0,
     ) -> Verdict:
         """Roll back to ``position``, append ``new_tokens`` and judge ``drafts``;
-        afterwards hold the accepted drafts and the next token."""
+        afterwards hold the accepted drafts and the next token. Then decode up
+        to ``decode`` more tokens alone (plain target decoding, exactly as rounds
+        without drafts would make them), stopping after an end-of-sequence
+        token, and hold those too: ``Verdict.decoded``."""
 
 
 @dataclasses.dataclass

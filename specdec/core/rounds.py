@@ -18,6 +18,12 @@ back to the position and appends them. After a round with n of γ drafts accepte
 * the target rolled itself back to tokens + n drafts and appended its next token,
   so it holds exactly the new committed sequence (the next token not yet run).
 
+A round without drafts is plain target decoding; it may ask the target for
+several tokens at once (``Limits.plain_tokens``: one call, and one round trip,
+for several tokens), which the target decodes exactly as that many one-token
+rounds would. The first round of a request asks for one, so that the first
+token comes as soon as the pre-fill is done.
+
 A round cut short (EOS, budget, context, stop sequence) commits a prefix of
 that, so both sides still hold at least what their ``synced`` position says.
 """
@@ -51,6 +57,7 @@ class Limits:
     context: int  # the longest sequence both models can hold
     eos_token_ids: frozenset[int] = frozenset()
     stop: StopCondition | None = None
+    plain_tokens: int = 1  # tokens a round without drafts asks of the target
 
 
 def run_rounds(
@@ -74,9 +81,10 @@ def run_rounds(
             return
         # The last token of a round always comes from the target, so γ ≤ room - 1.
         gamma = 0 if proposer is None else max(0, min(gamma_policy.choose(), room - 1))
+        decode = 0 if gamma or not generated else min(limits.plain_tokens, room) - 1
         observer.round_started(index)
         try:
-            result = _one_round(proposer, verifier, state, gamma, params)
+            result = _one_round(proposer, verifier, state, gamma, decode, params)
             result = _commit(result, state, limits, limits.max_new_tokens - generated, room)
         except BaseException as e:
             observer.round_failed(e)
@@ -89,10 +97,11 @@ def run_rounds(
             return
 
 
-def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionState, gamma: int,
+def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionState, gamma: int, decode: int,
                params: SamplingParams) -> RoundResult:
     """Draft γ tokens, verify them; the result's ``tokens`` are what the target
-    accepted plus its own next token, not yet committed."""
+    accepted plus its own next token (and the ``decode`` more it was asked for),
+    not yet committed."""
     # Normally each side lacks just the last round's token; more is pre-fill.
     draft_behind = max(0, len(state.tokens) - state.draft_synced - 1) if gamma else 0
     target_behind = max(0, len(state.tokens) - state.target_synced - 1)
@@ -104,9 +113,9 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
             drafts.append(draft)
             first = first or time.perf_counter() - t0
     t1 = time.perf_counter()
-    verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params)
+    verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params, decode)
     t2 = time.perf_counter()
-    tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token]
+    tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token, *verdict.decoded[:decode]]
     return RoundResult(tokens, len(drafts), verdict.accepted, t1 - t0, t2 - t1, None, first,
                        draft_behind if drafts else 0, target_behind, verdict.passes)
 

@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         draft_top_k: int = DEFAULT_DRAFT_TOP_K,
         stop: list[str] | tuple[str, ...] = (),
         observer: RoundObserver = NO_OBSERVER,
+        plain_tokens: int = 1,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``. ``gamma`` is a
         fixed count or a policy; 0 (or no draft model) is plain target decoding.
@@ -111,13 +112,17 @@ class SpeculativeDecoder:
         (0: its whole distribution) -- exact either way; the default equals the
         coordinator's, so a seed gives the same tokens in-process and distributed.
         ``stop`` strings end the output before them (as the coordinator does;
-        needs the target's tokenizer). ``observer`` sees every round."""
+        needs the target's tokenizer). ``observer`` sees every round.
+        ``plain_tokens``: tokens a round without drafts asks of the target (the
+        coordinator's --plain-tokens; in one process a call costs nothing, so 1)."""
         params = (sampling or SamplingParams()).with_seed()
         policy = self._policy(gamma)
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
         if draft_top_k < 0:
             raise ValueError(f"draft_top_k must be >= 0, got {draft_top_k}")
+        if plain_tokens < 1:
+            raise ValueError(f"plain_tokens must be >= 1, got {plain_tokens}")
         prompt_ids = list(prompt_ids)
         context = self.target.max_context
         if self.draft is not None:
@@ -131,7 +136,7 @@ class SpeculativeDecoder:
         proposer = None
         if self.draft is not None and not (isinstance(gamma, int) and gamma == 0):
             proposer = LocalProposer(self.draft, new_draft_sequence(self.draft), draft_top_k)
-        limits = Limits(max_new_tokens, context, frozenset(self.target.eos_token_ids), text)
+        limits = Limits(max_new_tokens, context, frozenset(self.target.eos_token_ids), text, plain_tokens)
         rounds = list(run_rounds(proposer, verifier, state, params=params, gamma_policy=policy, limits=limits,
                                  observer=observer))
         elapsed = time.perf_counter() - start

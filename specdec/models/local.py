@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
-from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
+from specdec.core.sampling import STREAM_DRAFT, STREAM_TARGET, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
 from specdec.models.runner import ModelRunner, Pass, Sequence
 
@@ -199,10 +199,13 @@ def verify_steps(
     new_tokens: list[int],
     drafts: list[DraftToken],
     params: SamplingParams,
+    decode: int = 0,
 ) -> Steps:
     """Roll ``seq`` back to ``position``, append ``new_tokens`` and the drafts, run
     them in one forward pass and judge the drafts. Afterwards ``seq`` holds the
-    accepted drafts followed by the next token (not yet run). Returns the Verdict."""
+    accepted drafts followed by the next token (not yet run), then up to
+    ``decode`` tokens decoded alone after it (:func:`decode_one`, one pass each;
+    none after an end-of-sequence token). Returns the Verdict."""
     runner.rollback(seq, position)
     seq.tokens.extend(new_tokens)
     first = len(seq.tokens)  # where drafts[0] lands
@@ -217,13 +220,32 @@ def verify_steps(
         verdict = verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
     runner.rollback(seq, first + verdict.accepted)
     seq.tokens.append(verdict.next_token)
-    return verdict
+    decoded = []
+    while (len(decoded) < decode and seq.tokens[-1] not in runner.eos_token_ids
+           and len(seq.tokens) < runner.max_context):
+        decoded.append((yield from decode_one(runner, seq, params)))
+    return dataclasses.replace(verdict, decoded=tuple(decoded)) if decoded else verdict
+
+
+def decode_one(runner: ModelRunner, seq: Sequence, params: SamplingParams) -> Steps:
+    """Plain target decoding: the token after ``seq``, appended and returned.
+    Drawn exactly as a round without drafts draws its token at this position
+    (:func:`specdec.core.verification.verify_stochastic`'s bonus token: the
+    seed's target uniform for the position), so several decoded in one call are
+    the tokens as many one-token rounds would give."""
+    logits = yield Pass(seq, 1)  # [1, V]
+    if params.greedy:
+        token = int(logits[0].argmax())
+    else:
+        token = sample(process_logits(logits, params)[0], uniform(params.seed, len(seq.tokens), STREAM_TARGET))
+    seq.tokens.append(token)
+    return token
 
 
 def verify_drafts(runner: ModelRunner, seq: Sequence, position: int, new_tokens: list[int],
-                  drafts: list[DraftToken], params: SamplingParams) -> Verdict:
+                  drafts: list[DraftToken], params: SamplingParams, decode: int = 0) -> Verdict:
     """:func:`verify_steps` run alone."""
-    return result_alone(runner, verify_steps(runner, seq, position, new_tokens, drafts, params))
+    return result_alone(runner, verify_steps(runner, seq, position, new_tokens, drafts, params, decode))
 
 
 @dataclasses.dataclass
@@ -246,5 +268,5 @@ class LocalVerifier:
     runner: ModelRunner
     seq: Sequence
 
-    def verify(self, position, new_tokens, drafts, params):
-        return verify_drafts(self.runner, self.seq, position, new_tokens, drafts, params)
+    def verify(self, position, new_tokens, drafts, params, decode=0):
+        return verify_drafts(self.runner, self.seq, position, new_tokens, drafts, params, decode)

@@ -231,6 +231,10 @@ class CoordinatorConfig(BaseServiceConfig):
         DEFAULT_DRAFT_TOP_K, ge=0, description="under sampling, the draft samples from its top-k and sends "
         "only that support (exact, far fewer bytes); for requests that set no draft_top_k; 0 = dense q",
         json_schema_extra={"flag": "--draft-top-k"})
+    plain_tokens: int = Field(
+        4, ge=1, le=64, description="tokens a round without drafts (gamma 0: plain target decoding) asks of the "
+        "target in one call, after a request's first token: one call and round trip for several tokens, which "
+        "stream together")
     call_timeout_s: float = Field(
         60.0, gt=0, description="deadline of each Propose/Verify call",
         json_schema_extra={"flag": "--call-timeout", "metavar": "SECONDS"})

@@ -175,14 +175,14 @@ def draft_token_from_proto(msg: pb.DraftToken, vocab_size: int | None = None) ->
 
 
 def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.VerifyResponse:
-    msg = pb.VerifyResponse(accepted=v.accepted, next_token=v.next_token)
+    msg = pb.VerifyResponse(accepted=v.accepted, next_token=v.next_token, decoded_tokens=v.decoded)
     if timing is not None:
         msg.timing.CopyFrom(timing_to_proto(timing))
     return msg
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
-    return Verdict(accepted=msg.accepted, next_token=msg.next_token)
+    return Verdict(accepted=msg.accepted, next_token=msg.next_token, decoded=tuple(msg.decoded_tokens))
 
 
 def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
@@ -220,11 +220,12 @@ def verify_request(
     new_tokens: Iterable[int],
     drafts: list[DraftToken],
     params: SamplingParams,
+    decode: int = 0,
 ) -> pb.VerifyRequest:
     """Under greedy decoding no q is sent (the target does not need it)."""
     msg = pb.VerifyRequest(
         session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
-        draft_tokens=[d.token for d in drafts], sampling=sampling_to_proto(params),
+        draft_tokens=[d.token for d in drafts], sampling=sampling_to_proto(params), decode_tokens=decode,
     )
     if not params.greedy:
         for d in drafts:

@@ -469,3 +469,27 @@ def test_under_load_the_cost_of_a_draft_comes_from_the_passes_not_from_rounds_th
         policy.observe(RoundResult([0] * (n + 1), g, n, 0.0008 * g, 0.002 + 2 * passes.seconds, None, 0.0008,
                                    verify_passes=passes))
     assert policy.best() >= 3
+
+
+def test_plain_rounds_of_several_tokens_set_what_not_drafting_is_worth():
+    """One round trip per token, drafting pays; several tokens per round trip
+    (plain rounds asking the target for more than one), it may not."""
+    alphas = [0.7] * 8
+    cost = RoundCost(draft_fixed=0.002, draft_per_token=0.001, verify_fixed=0.010, verify_per_token=0.001)
+    assert best_gamma(alphas, cost, 8) > 0
+    cheap = RoundCost(0.002, 0.001, 0.010, 0.001, plain_per_token=0.003)
+    assert cheap.plain_seconds_per_token() == 0.003 and cost.plain_seconds_per_token() == cost.seconds(0)
+    assert best_gamma(alphas, cheap, 8) == 0
+
+
+def test_the_adaptive_policy_learns_plain_rounds_cost_per_token_not_a_verify_time():
+    policy = AdaptiveGamma(gamma_max=8)
+    for g in (4, 2, 4, 2, 4):  # drafting rounds: the verify line
+        policy.observe(RoundResult([0] * (g + 1), g, g, 0.002 + 0.001 * g, 0.010 + 0.001 * g, None, 0.003))
+    line = policy.cost()
+    assert line.plain_per_token is None
+    for _ in range(5):  # plain rounds of 4 tokens in 16 ms: 4 ms a token
+        policy.observe(RoundResult([0] * 4, 0, 0, 0.0, 0.016, None))
+    cost = policy.cost()
+    assert cost.plain_per_token == pytest.approx(0.004)
+    assert cost.verify_fixed == pytest.approx(line.verify_fixed)  # not a 16 ms verification at γ = 0

@@ -77,6 +77,56 @@ def test_eos_inside_accepted_drafts_ends_generation(tiny_pair, reference, device
     assert stop - committed_before < out.accepted[-1] - 1
 
 
+@pytest.mark.parametrize("plain_tokens", [2, 5])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3)],
+                         ids=["greedy", "sampling"])
+def test_rounds_asking_the_target_for_several_tokens_give_the_one_token_rounds_tokens(
+        decoders, plain_tokens, sampling):
+    """Plain decoding several tokens a call draws each as a one-token round at
+    its position would: the same tokens, greedy or sampled, in fewer rounds
+    (the first round of a request still brings one token)."""
+    dec = decoders["close"]
+    for prompt in PROMPTS:
+        one = dec.generate(prompt, max_new_tokens=23, sampling=sampling, gamma=0)
+        several = dec.generate(prompt, max_new_tokens=23, sampling=sampling, gamma=0, plain_tokens=plain_tokens)
+        assert several.token_ids == one.token_ids and len(one.token_ids) == 23
+        assert several.rounds == 1 + -(-22 // plain_tokens)
+
+
+class Alternating:
+    """γ by turns from ``gammas``: rounds without drafts between drafting ones."""
+
+    def __init__(self, gammas):
+        self.gammas, self.i = gammas, 0
+
+    def choose(self):
+        self.i += 1
+        return self.gammas[self.i % len(self.gammas)]
+
+    def observe(self, result):
+        pass
+
+
+def test_several_token_plain_rounds_between_drafting_rounds_are_lossless(decoders, reference):
+    """After plain rounds the draft is behind by several tokens and catches up."""
+    for prompt in PROMPTS:
+        out = decoders["close"].generate(prompt, max_new_tokens=40, gamma=Alternating([0, 3, 0, 0, 5]),
+                                         plain_tokens=3)
+        assert out.token_ids == reference[tuple(prompt)]
+        assert 0 in out.gammas and max(out.gammas) > 0
+
+
+def test_plain_decoding_stops_after_an_end_of_sequence_token(tiny_pair, reference, device):
+    target, close, _ = tiny_pair
+    dec = SpeculativeDecoder(target, close, device=device)
+    ref = reference[tuple(PROMPTS[2])]
+    eos = ref[9]
+    dec.target.eos_token_ids = {eos}
+    out = dec.generate(PROMPTS[2], max_new_tokens=40, gamma=0, plain_tokens=8)
+    assert out.token_ids == ref[: ref.index(eos) + 1]
+    assert out.finish_reason == "eos"
+
+
 def test_heuristic_gamma_is_lossless(decoders, reference):
     for prompt in PROMPTS:
         out = decoders["far"].generate(prompt, max_new_tokens=40, gamma=HeuristicGamma(gamma=3))
@@ -103,6 +153,7 @@ def test_seeded_sampling_is_reproducible(decoders):
         ({"prompt_ids": [1], "gamma": -1}, "gamma"),
         ({"prompt_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
         ({"prompt_ids": [1], "draft_top_k": -2}, "draft_top_k"),
+        ({"prompt_ids": [1], "plain_tokens": 0}, "plain_tokens"),
     ],
 )
 def test_bad_arguments_raise_value_error(decoders, kwargs, word):

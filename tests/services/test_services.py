@@ -72,8 +72,8 @@ def propose(stub, sid, position, new_tokens, gamma, params=GREEDY, round_id=0, t
     return list(stub.Propose(req, timeout=20))
 
 
-def verify(stub, sid, position, new_tokens, drafts, params=GREEDY, round_id=0):
-    return stub.Verify(pc.verify_request(sid, round_id, position, new_tokens, drafts, params), timeout=20)
+def verify(stub, sid, position, new_tokens, drafts, params=GREEDY, round_id=0, decode=0):
+    return stub.Verify(pc.verify_request(sid, round_id, position, new_tokens, drafts, params, decode), timeout=20)
 
 
 # ---------------------------------------------------------------- the round
@@ -118,6 +118,41 @@ def test_verify_equals_local_verify(stubs, local, params):
     position = len(PROMPT) + reply.accepted + 1
     reply2 = verify(target_stub, sid, position, [], drafts[:2], params)
     assert reply2.timing.computed_tokens == 1 + 2
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_verify_decodes_the_tokens_asked_for_after_its_verdict(stubs, local, params):
+    """decode_tokens: the tokens plain decoding gives, one round at a time."""
+    _, target_stub = stubs
+    target_runner, _ = local
+    sid = new_session()
+    reply = verify(target_stub, sid, 0, PROMPT, [], params, decode=4)
+    seq = target_runner.new_sequence()
+    expected = [verify_drafts(target_runner, seq, 0, PROMPT, [], params).next_token]
+    for _ in range(4):
+        expected.append(verify_drafts(target_runner, seq, len(seq.tokens), [], [], params).next_token)
+    assert [reply.next_token, *reply.decoded_tokens] == expected
+    assert reply.timing.computed_tokens == len(PROMPT) + 4
+    # the session holds them all: the next round goes on after the last
+    again = verify(target_stub, sid, len(PROMPT) + 5, [], [], params)
+    assert again.timing.computed_tokens == 1
+
+
+def test_decoding_stops_after_an_end_of_sequence_token(services, stubs, local):
+    _, target = services
+    _, target_stub = stubs
+    target_runner, _ = local
+    seq = target_runner.new_sequence()
+    plain = [verify_drafts(target_runner, seq, 0, PROMPT, [], GREEDY).next_token]
+    for _ in range(5):
+        plain.append(verify_drafts(target_runner, seq, len(seq.tokens), [], [], GREEDY).next_token)
+    runner = target.host.runner
+    eos, runner.eos_token_ids = runner.eos_token_ids, {plain[3]}
+    try:
+        reply = verify(target_stub, new_session(), 0, PROMPT, [], decode=5)
+    finally:
+        runner.eos_token_ids = eos
+    assert [reply.next_token, *reply.decoded_tokens] == plain[:plain.index(plain[3]) + 1]
 
 
 def test_second_prompt_prefills_only_the_suffix(stubs):
@@ -365,6 +400,9 @@ def _bad_inputs():
         ("empty prompt", "target", V(new_tokens=[], draft_tokens=[]), INV, ["empty"]),
         ("beyond context", "draft", P(new_tokens=[1] * 127), INV, ["context of 128"]),
         ("too many drafts", "target", V(draft_tokens=[1] * 9), INV, ["draft_tokens 9", "[0, 8]"]),
+        ("too many to decode", "target", V(decode_tokens=9), INV, ["decode_tokens 9", "[0, 8]"]),
+        ("decoding beyond context", "target", V(new_tokens=[1] * 120, decode_tokens=8), INV,
+         ["+ 8 decode_tokens", "context of 128"]),
         ("draft outside vocab", "target", V(draft_tokens=[32]), INV, ["draft_tokens", "32"]),
         ("q missing", "target", V(sampling=sampled), INV, ["draft_q has 0", "1 draft_tokens"]),
         ("q count mismatch", "target", V(sampling=sampled, draft_q=[dense, dense]), INV, ["draft_q has 2"]),
