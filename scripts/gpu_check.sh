@@ -36,6 +36,23 @@ SPECDEC_TEST_DEVICE=$DEVICE SPECDEC_LOSSLESS_SAMPLES=5000 timeout -k 10 240 "$PY
     tests/models/test_bundled_pair.py tests/models/test_lossless.py tests/services/test_services.py 2>&1 | tee "$RESULTS/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
+# CUDA graphs: a decode step of the bundled target (lean forward) with and without
+# them, taking turns, in one run.
+timeout -k 10 120 "$PYTHON" - <<'EOF' 2>&1 | tee "$RESULTS/cuda-graphs.txt"
+import os, statistics
+from specdec.models import bundled
+from specdec.models.runner import ModelRunner
+from specdec.tools.eval_pair import decode_latency_ms
+runners = {g: ModelRunner(bundled.target_path(), os.environ["DEVICE"], lean=True, cuda_graphs=g) for g in (False, True)}
+prompt = list(range(3, 131))
+ms = {g: [] for g in runners}
+for _ in range(5):
+    for g, runner in runners.items():
+        ms[g].append(decode_latency_ms(runner, prompt, 64))
+off, on = statistics.median(ms[False]), statistics.median(ms[True])
+print(f"decode step: {off:.2f} ms without CUDA graphs, {on:.2f} ms with them ({off / on:.2f}x)")
+EOF
+
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout -k 10 200 "$PYTHON" -m specdec.cli bench $BENCH_ARGS --device-target "$DEVICE" --out "$RESULTS/bench" \
     2>&1 | tee "$RESULTS/bench.log"

@@ -134,7 +134,10 @@ class LeanLlama:
     """The forward pass of a loaded ``LlamaForCausalLM`` with plain tensor ops.
     Shares the model's weights (nothing is copied; see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, graph_tokens: int = 0):
+        """``graph_tokens`` > 0: passes of up to that many tokens run their
+        per-layer work through :class:`specdec.models.cuda_graphs.LayerGraphs`
+        (recorded as CUDA graphs on a CUDA device)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"cannot run this model with the lean forward: {reason}")
@@ -151,6 +154,11 @@ class LeanLlama:
         norm = model.model.norm
         self.final_norm, self.final_eps = norm.weight.detach(), norm.variance_epsilon
         self._cos = self._sin = None  # [positions, head_dim] rotary tables, grown on demand
+        self.graphs = None
+        if graph_tokens > 0:
+            from specdec.models.cuda_graphs import LayerGraphs
+
+            self.graphs = LayerGraphs(self, graph_tokens)
 
     def new_cache(self) -> LeanCache:
         shape = (len(self.layers), self.kv_heads, 0, self.head_dim)  # allocated by the first pass
@@ -198,23 +206,37 @@ class LeanLlama:
         # one angle per token, broadcast over heads: [T, 1, head_dim]
         cos = _rows(cos, [(start, n) for _, start, n in spans])[:, None]
         sin = _rows(sin, [(start, n) for _, start, n in spans])[:, None]
-        heads, kv = self.heads, self.kv_heads
-
         x = F.embedding(torch.tensor(flat, device=self.embed.device), self.embed)  # [T, hidden]
-        for i, w in enumerate(self.layers):
-            qkv = (_rms_norm(x, w.input_norm, w.eps) @ w.qkv).view(total, heads + 2 * kv, self.head_dim)
-            qk = _rope(qkv[:, :heads + kv], cos, sin)  # q and k rotated together
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv:]
+        layers = (self.graphs and self.graphs.for_tokens(total)) or EagerLayers(self)
+        layers.start(x, cos, sin)
+        for i in range(len(self.layers)):
+            qk, v = layers.before_attention(i)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
             out = [self._attend(i, row.cache, q, k, v, span) for row, span in zip(rows, spans, strict=True)]
-            x = torch.addmm(x, out[0] if len(out) == 1 else torch.cat(out), w.o)  # x + attention @ o
-            gate, up = (_rms_norm(x, w.post_norm, w.eps) @ w.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w.down)  # x + mlp
+            layers.after_attention(i, out[0] if len(out) == 1 else torch.cat(out))
         for row, (_, start, n) in zip(rows, spans, strict=True):
             row.cache.length = start + n
+        x = layers.x
         kept = _rows(x, [(first + n - row.logits_to_keep, row.logits_to_keep)
                          for row, (first, _, n) in zip(rows, spans, strict=True)])
         logits = F.linear(_rms_norm(kept, self.final_norm, self.final_eps), self.lm_head)
         return list(logits.split([row.logits_to_keep for row in rows]))
+
+    def before_attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's work before attention, for the residual stream ``x`` [T, hidden]:
+        queries and keys, rotated [T, heads + kv_heads, head_dim], and values
+        [T, kv_heads, head_dim]."""
+        w, heads, kv = self.layers[layer], self.heads, self.kv_heads
+        qkv = (_rms_norm(x, w.input_norm, w.eps) @ w.qkv).view(x.shape[0], heads + 2 * kv, self.head_dim)
+        return _rope(qkv[:, :heads + kv], cos, sin), qkv[:, heads + kv:]  # q and k rotated together
+
+    def after_attention(self, layer: int, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """A layer's work after attention ([T, heads * head_dim]): the residual stream it leaves."""
+        w = self.layers[layer]
+        x = torch.addmm(x, attention, w.o)  # x + attention @ o
+        gate, up = (_rms_norm(x, w.post_norm, w.eps) @ w.gate_up).chunk(2, dim=-1)
+        return torch.addmm(x, F.silu(gate) * up, w.down)  # x + mlp
 
     def _attend(self, layer: int, cache: LeanCache, q, k, v, span: tuple[int, int, int]) -> torch.Tensor:
         """One row's attention in one layer: its new keys and values [n, kv_heads,
@@ -241,6 +263,24 @@ class LeanLlama:
             is_causal=n > 1 and not start, enable_gqa=keys.shape[0] != self.heads,
         )[0]  # [heads, n, head_dim]
         return out.transpose(0, 1).reshape(n, -1)
+
+
+class EagerLayers:
+    """A pass's per-layer work around attention, each operation launched as it
+    comes (:class:`specdec.models.cuda_graphs.LayerGraphs` replays recordings of
+    the same work instead). ``x`` is the residual stream [T, hidden]."""
+
+    def __init__(self, lean: LeanLlama):
+        self.lean = lean
+
+    def start(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.x, self.cos, self.sin = x, cos, sin
+
+    def before_attention(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lean.before_attention(layer, self.x, self.cos, self.sin)
+
+    def after_attention(self, layer: int, attention: torch.Tensor) -> None:
+        self.x = self.lean.after_attention(layer, self.x, attention)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# On a CUDA device, passes of up to this many tokens replay CUDA graphs of the
+# lean forward's per-layer work (specdec.models.cuda_graphs): decoding batches.
+GRAPH_TOKENS = 256
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,12 @@ class ModelRunner:
 
     ``lean=True`` runs a Llama-architecture model through specdec.models.lean_llama:
     the same weights with less Python per token, and several sequences in one
-    pass (:meth:`run_passes`). Other models keep Hugging Face's forward, with a
-    log line saying why."""
+    pass (:meth:`run_passes`), on a CUDA device through CUDA graphs unless
+    ``cuda_graphs=False``. Other models keep Hugging Face's forward, with a log
+    line saying why."""
 
     def __init__(self, path: str | os.PathLike, device: str = "cpu", dtype: str = "float32", *,
-                 lean: bool = False):
+                 lean: bool = False, cuda_graphs: bool = True):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -80,7 +84,8 @@ class ModelRunner:
         if lean:
             reason = unsupported_reason(self.model)
             if reason is None:
-                self.forward_model = LeanLlama(self.model)
+                graphs = cuda_graphs and self.device.type == "cuda"
+                self.forward_model = LeanLlama(self.model, graph_tokens=GRAPH_TOKENS if graphs else 0)
             else:
                 log.info("%s runs Hugging Face's forward, not the lean one: %s", self.path, reason)
         self.tokens_run = 0  # tokens through the model, for metrics

@@ -87,7 +87,8 @@ class ModelHost:
         if runner is None:
             runner = await asyncio.get_running_loop().run_in_executor(
                 self.executor,
-                functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=cfg.lean_forward),
+                functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=cfg.lean_forward,
+                                  cuda_graphs=cfg.cuda_graphs),
             )
         if cfg.max_batch > 1 and not runner.batched:
             log.info("%s service: one session per forward pass (%s runs Hugging Face's forward%s)", cfg.role,

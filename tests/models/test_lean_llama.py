@@ -173,3 +173,38 @@ def test_a_ragged_batched_pass_gives_each_row_the_logits_of_its_own_pass(dtype):
         assert row.cache.length == context + len(row.tokens)
         torch.testing.assert_close(row.cache.keys[:, :, :row.cache.length],
                                    alone[batched.index(row)][1].keys[:, :, :row.cache.length], **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_passes_through_recorded_layers_give_the_eager_passes_logits(dtype):
+    """specdec.models.cuda_graphs: each layer's work over fixed buffers padded to
+    the next power of two (recorded as CUDA graphs on a CUDA device, called as
+    they are elsewhere), attention between them; passes beyond the largest size
+    run eagerly. Pre-fill, decoding, a ragged batch and a rollback, side by side."""
+    from specdec.models.lean_llama import BatchRow
+
+    eager = LeanLlama(tiny_llama().to(dtype))
+    graphed = LeanLlama(tiny_llama().to(dtype), graph_tokens=8)
+    assert graphed.graphs.for_tokens(3) is graphed.graphs.for_tokens(4) is not graphed.graphs.for_tokens(5)
+    assert graphed.graphs.for_tokens(9) is None
+    tolerance = TOLERANCE[dtype]
+    gen = torch.Generator().manual_seed(3)
+    caches = {lean: [lean.new_cache() for _ in range(3)] for lean in (eager, graphed)}
+
+    def both(batch):  # [(session, tokens, logits to keep)]
+        want, have = ([lean.forward_batch([BatchRow(t, caches[lean][s], k) for s, t, k in batch])
+                       for lean in (eager, graphed)])
+        for w, h in zip(want, have, strict=True):
+            torch.testing.assert_close(h, w, **tolerance)
+
+    def tokens(n):
+        return torch.randint(0, 64, (n,), generator=gen).tolist()
+
+    both([(0, tokens(12), 1)])  # a pre-fill beyond 8 tokens: eager
+    both([(1, tokens(5), 5), (2, tokens(2), 1)])  # 7 tokens: padded to 8
+    for _ in range(3):  # decoding three sessions at once, then one alone
+        both([(0, tokens(1), 1), (1, tokens(1), 1), (2, tokens(1), 1)])
+        both([(1, tokens(1), 1)])
+    for lean in (eager, graphed):  # two drafts rejected
+        caches[lean][0].length -= 2
+    both([(0, tokens(3), 3), (2, tokens(4), 4)])  # a verification beside another
