@@ -419,8 +419,8 @@ class RemoteVerifier:
                     self.session.refilled("target", "evicted")
                     refill = True
         s = self.stats
-        if not s.calls or retries.refilled:  # history the target lacked = all it ran but the drafts
-            s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts))
+        if not s.calls or retries.refilled:  # history the target lacked: all it ran but the drafts and decoding
+            s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts) - len(response.decoded_tokens))
         s.calls.append(record)
         self.session.ids.next_id += 1  # Verify ends the round
         t = response.timing

@@ -211,7 +211,7 @@ class AdaptiveGamma:
       included); the policy drafts one token instead. Without it, a prompt
       whose first two drafts fail would switch a fresh policy off for the
       whole request, and the warm start would carry that into the next one.
-    * a probe: after ``probe_every`` idle rounds, one draft (the cheapest
+    * a probe: after ``probe_every`` tokens without drafting, one draft (the cheapest
       question), so that a change in acceptance or cost is noticed; where a
       probe is expensive (a long round trip to the draft), not before its
       expected loss is at most ``probe_budget`` (1 %) of the time spent idle.
@@ -250,7 +250,7 @@ class AdaptiveGamma:
         self._load = _DecayingMean(self.decay)  # sessions sharing the verifying pass
         self._pass = _DecayingLine(self.decay)  # a verifying pass's seconds against its tokens
         self._plain = _DecayingMean(self.decay)  # seconds per token of rounds decoding several without drafts
-        self._since_drafted = 0  # carried into warm starts: short requests at γ = 0 must still probe
+        self._since_drafted = 0  # tokens since the last drafting round; carried into warm starts
         self._chosen = 0  # the γ last chosen (the round loop may clamp it at the end of a request)
 
     # -- estimates ------------------------------------------------------------
@@ -303,11 +303,12 @@ class AdaptiveGamma:
         cost = self.cost()
         costs = "no cost measured yet" if cost is None else (
             f"draft {cost.draft_fixed * 1e3:.2f} ms + {cost.draft_per_token * 1e3:.2f} ms/token, "
-            f"verify {cost.verify_fixed * 1e3:.2f} ms + {cost.verify_per_token * 1e3:.2f} ms/token")
+            f"verify {cost.verify_fixed * 1e3:.2f} ms + {cost.verify_per_token * 1e3:.2f} ms/token, "
+            f"{cost.plain_seconds_per_token() * 1e3:.2f} ms a token without drafting")
         alphas = " ".join(f"{a:.2f}" for a in self.alphas()[:6])
         load = f"; {self._load.value:.1f} sessions per verifying pass" if (self._load.value or 1) > 1 else ""
         return (f"{costs}{load}; α by position {alphas}; best γ {self.best()}"
-                f"{f', idle {self._since_drafted} rounds' if self.idle else ''}")
+                f"{f', idle {self._since_drafted} tokens' if self.idle else ''}")
 
     # -- policy ---------------------------------------------------------------
 
@@ -349,7 +350,7 @@ class AdaptiveGamma:
         return gamma
 
     def _probe_due(self) -> bool:
-        """After ``probe_every`` rounds without drafting, and once the probe's
+        """After ``probe_every`` tokens without drafting, and once the probe's
         expected loss (the time its round takes beyond what its expected tokens
         take at γ = 0) is at most ``probe_budget`` of the time spent since."""
         if self._since_drafted < self.probe_every:
@@ -388,7 +389,7 @@ class AdaptiveGamma:
             self._tried = [t * d for t in self._tried]
             self._accepted = [a * d for a in self._accepted]
         elif not self._chosen:  # not a round the end of the request clamped to γ = 0
-            self._since_drafted += 1
+            self._since_drafted += len(result.tokens)
         # Drafts 1..n were accepted; draft n+1 (if any) was tried and rejected.
         for i in range(min(g, n + 1, self.gamma_max)):
             self._tried[i] += 1
@@ -398,12 +399,17 @@ class AdaptiveGamma:
         self._load.add(max(1.0, passes.sequences) if passes is not None else 1.0)
         if passes is not None and passes.seconds > 0:
             self._pass.add(passes.tokens, passes.seconds)
-        if not result.target_caught_up and not g and len(result.tokens) > 1:
-            self._plain.add(result.verify_s / len(result.tokens))  # several tokens for one call
-        elif not result.target_caught_up:  # a pre-fill is not what a round costs
+        verify_s = result.verify_s
+        if result.decoded and not result.target_caught_up:  # several tokens for one call, one pass each
+            self._plain.add(verify_s / (1 + result.decoded))
+            if passes is None:  # no pass time to tell the call's own cost by
+                verify_s = None
+            else:  # the call as if it had decoded nothing: what keeps the verify line's intercept fresh
+                verify_s = max(0.0, verify_s - result.decoded * passes.seconds)
+        if not result.target_caught_up and verify_s is not None:  # a pre-fill is not what a round costs
             if probe:
-                self._check_verify_slope(g, result.verify_s)
-            self._verify.add(g, result.verify_s)
+                self._check_verify_slope(g, verify_s)
+            self._verify.add(g, verify_s)
             slope = self._verify.slope()
             if slope is not None:
                 self._verify_slope = slope

@@ -9,7 +9,10 @@ Terms, for one round:
   first rejected position, or the *bonus* token after γ accepted drafts.
 
 A round therefore commits ``accepted + 1`` tokens, fewer only when generation
-ends inside it (EOS, the token budget, the context, a stop sequence).
+ends inside it (EOS, the token budget, the context, a stop sequence). A round
+without drafts may ask the target to **decode** more tokens alone after its
+next token (plain target decoding, several tokens for one call): it commits
+those too.
 
 This module imports neither torch nor anything above the core, so that
 clients, configuration and ``--help`` can name these types cheaply.
@@ -136,7 +139,7 @@ class SessionState:
 
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
-    tokens: list[int]  # committed this round (accepted drafts + next token, maybe cut short)
+    tokens: list[int]  # committed this round (accepted drafts + next token + decoded, maybe cut short)
     gamma: int  # drafts the round verified (the policy's γ, or fewer if the proposer sent fewer)
     accepted: int
     draft_s: float  # from asking for drafts to holding all of them
@@ -148,6 +151,7 @@ class RoundResult:
     draft_caught_up: int = 0
     target_caught_up: int = 0
     verify_passes: PassLoad | None = None  # the target's passes the verification ran in, when reported
+    decoded: int = 0  # tokens the target decoded alone after its next token (one pass each), before any cut
 
 
 class RoundObserver(Protocol):

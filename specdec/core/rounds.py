@@ -15,8 +15,9 @@ A call passes that position and the committed tokens after it; the side rolls
 back to the position and appends them. After a round with n of γ drafts accepted:
 
 * the draft holds tokens + all γ drafts, of which the first n are now committed;
-* the target rolled itself back to tokens + n drafts and appended its next token,
-  so it holds exactly the new committed sequence (the next token not yet run).
+* the target rolled itself back to tokens + n drafts and appended its next token
+  (and the tokens it was asked to decode alone after it), so it holds exactly
+  the new committed sequence, its last token not yet run.
 
 A round without drafts is plain target decoding; it may ask the target for
 several tokens at once (``Limits.plain_tokens``: one call, and one round trip,
@@ -117,7 +118,7 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
     t2 = time.perf_counter()
     tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token, *verdict.decoded[:decode]]
     return RoundResult(tokens, len(drafts), verdict.accepted, t1 - t0, t2 - t1, None, first,
-                       draft_behind if drafts else 0, target_behind, verdict.passes)
+                       draft_behind if drafts else 0, target_behind, verdict.passes, len(tokens) - verdict.accepted - 1)
 
 
 def _commit(result: RoundResult, state: SessionState, limits: Limits, budget: int, room: int) -> RoundResult:

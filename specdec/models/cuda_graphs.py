@@ -12,9 +12,9 @@ MLP, residual). Attention itself stays outside: each session's KV cache lies
 in memory of its own and grows, which a recording (fixed addresses, fixed
 shapes) cannot follow. A recording also fixes the number of tokens, so passes
 are padded up to the next size of 1, 2, 4, ... ``max_tokens``, each size with its
-own recordings over its own fixed buffers, made the first time a pass of that
-size comes; larger passes (pre-fills) launch as they are. The padding rows
-compute garbage that nothing reads: every recorded operation works row by row.
+own recordings over its own fixed buffers, all made when the model loads;
+larger passes (pre-fills) launch as they are. The padding rows compute zeros
+that nothing reads: every recorded operation works row by row.
 
 Off CUDA, :class:`LayerGraphs` runs the same fixed buffers with plain calls in
 place of replays, which is how the tests check everything but the recording
@@ -32,28 +32,19 @@ class LayerGraphs:
     """Per-size recordings of a ``LeanLlama``'s per-layer work (see the module docstring)."""
 
     def __init__(self, lean, max_tokens: int):
-        self.lean = lean
-        self.max_tokens = max_tokens
-        self.record = lean.embed.device.type == "cuda"
-        self._sizes: dict[int, RecordedLayers] = {}
-        # One memory pool for every recording: they replay one at a time, in
-        # turn, on the model's one thread.
-        self._pool = torch.cuda.graph_pool_handle() if self.record else None
+        device = lean.embed.device
+        if device.type == "cuda":
+            recorder = Recorder(device)
+        else:
+            def recorder(work):
+                return work
+        sizes = [1 << i for i in range(max(1, max_tokens).bit_length())]
+        self.max_tokens = sizes[-1]
+        self._sizes = {size: RecordedLayers(lean, size, recorder) for size in sizes}
 
     def for_tokens(self, tokens: int) -> RecordedLayers | None:
-        """The recordings for a pass of ``tokens`` tokens, made on first use;
-        None beyond ``max_tokens``."""
-        if tokens > self.max_tokens:
-            return None
-        size = 1 << (tokens - 1).bit_length()
-        if size not in self._sizes:
-            self._sizes[size] = RecordedLayers(self.lean, size, self._recorder())
-        return self._sizes[size]
-
-    def _recorder(self) -> Callable[[Callable[[], None]], Callable[[], None]]:
-        if not self.record:
-            return lambda work: work
-        return lambda work: _record(work, self._pool)
+        """The recordings for a pass of ``tokens`` tokens; None beyond ``max_tokens``."""
+        return self._sizes.get(1 << (tokens - 1).bit_length())
 
 
 class RecordedLayers:
@@ -64,7 +55,7 @@ class RecordedLayers:
     def __init__(self, lean, size: int, record: Callable[[Callable[[], None]], Callable[[], None]]):
         weight = lean.embed
         zeros = dict(dtype=weight.dtype, device=weight.device)
-        self.size, self.n = size, 0
+        self.n = 0
         self._x = torch.zeros(size, weight.shape[1], **zeros)  # the residual stream
         self._cos = torch.zeros(size, 1, lean.head_dim, **zeros)
         self._sin = torch.zeros_like(self._cos)
@@ -91,6 +82,7 @@ class RecordedLayers:
     def start(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         n = self.n = x.shape[0]
         self._x[:n].copy_(x)
+        self._x[n:].zero_()  # the last pass's rows: kept finite
         self._cos[:n].copy_(cos)
         self._sin[:n].copy_(sin)
 
@@ -107,16 +99,29 @@ class RecordedLayers:
         return self._x[:self.n]
 
 
-def _record(work: Callable[[], None], pool) -> Callable[[], None]:
-    """``work`` recorded as a CUDA graph; returns its replay. Run once first on a
-    side stream, as PyTorch's CUDA graph notes ask, so that lazy initialisation
-    (cuBLAS workspaces, the allocator's first blocks) is not recorded."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        work()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        work()
-    return graph.replay
+class Recorder:
+    """Records work as CUDA graphs on one device; each recording returns its replay."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        # One memory pool for every recording: they replay one at a time, in
+        # turn, on the model's one thread.
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, work: Callable[[], None]) -> Callable[[], None]:
+        """Run ``work`` once first on a side stream, as PyTorch's CUDA graph notes
+        ask, so that lazy initialisation (cuBLAS workspaces, the allocator's
+        first blocks) is not recorded; then record it on that stream, on the
+        model's device whichever device is current, only this thread's calls
+        checked (another model's thread may go on meanwhile)."""
+        with torch.cuda.device(self.device):
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                work()
+            torch.cuda.current_stream().wait_stream(self.side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
+                work()
+        return graph.replay

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
-from specdec.core.sampling import STREAM_DRAFT, STREAM_TARGET, process_logits, sample, truncate_top_k, uniform
+from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
 from specdec.models.runner import ModelRunner, Pass, Sequence
 
@@ -209,15 +209,8 @@ def verify_steps(
     runner.rollback(seq, position)
     seq.tokens.extend(new_tokens)
     first = len(seq.tokens)  # where drafts[0] lands
-    tokens = [d.token for d in drafts]
-    seq.tokens.extend(tokens)
-    logits = yield Pass(seq, len(drafts) + 1)
-    if params.greedy:
-        verdict = verify_greedy(tokens, logits)
-    else:
-        p = process_logits(logits, params)
-        q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device)
-        verdict = verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
+    seq.tokens.extend(d.token for d in drafts)
+    verdict = judge(runner, (yield Pass(seq, len(drafts) + 1)), drafts, params, first)
     runner.rollback(seq, first + verdict.accepted)
     seq.tokens.append(verdict.next_token)
     decoded = []
@@ -228,18 +221,24 @@ def verify_steps(
 
 
 def decode_one(runner: ModelRunner, seq: Sequence, params: SamplingParams) -> Steps:
-    """Plain target decoding: the token after ``seq``, appended and returned.
-    Drawn exactly as a round without drafts draws its token at this position
-    (:func:`specdec.core.verification.verify_stochastic`'s bonus token: the
-    seed's target uniform for the position), so several decoded in one call are
-    the tokens as many one-token rounds would give."""
-    logits = yield Pass(seq, 1)  # [1, V]
-    if params.greedy:
-        token = int(logits[0].argmax())
-    else:
-        token = sample(process_logits(logits, params)[0], uniform(params.seed, len(seq.tokens), STREAM_TARGET))
+    """Plain target decoding: the token after ``seq``, appended and returned. It
+    is judged as a round without drafts at this position judges its next token,
+    so several decoded in one call are the tokens as many one-token rounds give."""
+    token = judge(runner, (yield Pass(seq, 1)), [], params, len(seq.tokens)).next_token
     seq.tokens.append(token)
     return token
+
+
+def judge(runner: ModelRunner, logits: torch.Tensor, drafts: list[DraftToken], params: SamplingParams,
+          first: int) -> Verdict:
+    """The verdict on ``drafts`` (landing at position ``first``) from the target's
+    logits [γ + 1, V] at their positions."""
+    tokens = [d.token for d in drafts]
+    if params.greedy:
+        return verify_greedy(tokens, logits)
+    p = process_logits(logits, params)
+    q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device)
+    return verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
 
 
 def verify_drafts(runner: ModelRunner, seq: Sequence, position: int, new_tokens: list[int],

@@ -162,8 +162,9 @@ class ServiceConfig(BaseServiceConfig):
         json_schema_extra={"flag": "--session-ttl", "metavar": "SECONDS"})
     gamma_max: int = Field(64, ge=0, description="largest gamma / number of drafts accepted per call")
     cuda_graphs: bool = Field(
-        True, description="on a CUDA device, replay CUDA graphs of the lean forward's per-layer work for passes "
-        "of up to 256 tokens (one launch instead of a dozen per layer); off: every kernel launched as it comes")
+        True, description="on a CUDA device, replay CUDA graphs of the lean forward's per-layer work, recorded "
+        "at load for decoding-sized passes (one launch instead of a dozen per layer); off: every kernel launched "
+        "as it comes")
 
     def model_path(self) -> str:
         """The model directory to serve: ``model`` or the bundled one."""
@@ -237,7 +238,7 @@ class CoordinatorConfig(BaseServiceConfig):
     plain_tokens: int = Field(
         4, ge=1, le=64, description="tokens a round without drafts (gamma 0: plain target decoding) asks of the "
         "target in one call, after a request's first token: one call and round trip for several tokens, which "
-        "stream together")
+        "stream together (at most the services' --gamma-max + 1)")
     call_timeout_s: float = Field(
         60.0, gt=0, description="deadline of each Propose/Verify call",
         json_schema_extra={"flag": "--call-timeout", "metavar": "SECONDS"})

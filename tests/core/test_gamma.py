@@ -429,7 +429,7 @@ def test_the_estimates_are_described_in_one_line_for_the_log():
     policy.observe(RoundResult([0] * 3, 4, 2, 0.005, 0.008, None, 0.002))
     policy.observe(RoundResult([0], 0, 0, 0.0, 0.006, None))
     text = policy.describe()
-    assert text.startswith("draft ") and "ms/token, verify " in text and text.endswith("idle 1 rounds")
+    assert text.startswith("draft ") and "ms/token, verify " in text and text.endswith("idle 1 tokens")
 
 
 @pytest.mark.parametrize("sessions, drafts", [(1, True), (32, False)])
@@ -489,7 +489,13 @@ def test_the_adaptive_policy_learns_plain_rounds_cost_per_token_not_a_verify_tim
     line = policy.cost()
     assert line.plain_per_token is None
     for _ in range(5):  # plain rounds of 4 tokens in 16 ms: 4 ms a token
-        policy.observe(RoundResult([0] * 4, 0, 0, 0.0, 0.016, None))
+        policy.observe(RoundResult([0] * 4, 0, 0, 0.0, 0.016, None, decoded=3))
     cost = policy.cost()
     assert cost.plain_per_token == pytest.approx(0.004)
     assert cost.verify_fixed == pytest.approx(line.verify_fixed)  # not a 16 ms verification at γ = 0
+    assert policy._since_drafted == 20  # idle tokens, not rounds, bring the next probe
+    # where the target reports its passes, the call less its decoding passes is a γ = 0 round
+    for _ in range(60):
+        policy.observe(RoundResult([0] * 4, 0, 0, 0.0, 0.016, None, decoded=3,
+                                   verify_passes=PassLoad(1, 1, 0.004)))
+    assert policy.cost().verify_fixed == pytest.approx(0.004, abs=1e-3)

@@ -225,6 +225,24 @@ def test_multi_turn_session_prefills_only_the_suffix(client, reference):
     assert client.close_session("multi-turn") is True
 
 
+def test_a_turn_ending_inside_a_plain_round_leaves_the_next_turn_exact(client, reference):
+    """The last round of a static:0 turn decoded more than the turn kept (its
+    token budget ended inside it): the target holds tokens nobody committed, and
+    the next turn, plain and then drafting, rolls them back."""
+    tok = reference[0].tokenizer
+    p1, p2 = prompt_ids(reference), tok.encode("\n    return", add_special_tokens=False)
+    t1 = client.complete(prompt_ids=p1, max_new_tokens=7, session_id="cut-plain", gamma_policy="static:0")
+    assert t1.token_ids == greedy_ref(reference, p1, 7)
+    assert t1.stats.rounds == 3  # 1 token, then 4, then 4 of which the budget keeps 2
+    t2 = client.complete(prompt_ids=p2, max_new_tokens=9, session_id="cut-plain", gamma_policy="static:0")
+    history = p1 + t1.token_ids + p2
+    assert t2.token_ids == greedy_ref(reference, history, 9)
+    assert t2.stats.target_prefill_tokens == len(p2) + 1  # rolled back, not re-pre-filled
+    t3 = client.complete(prompt_ids=p2, max_new_tokens=12, session_id="cut-plain", gamma_policy="static:3")
+    assert t3.token_ids == greedy_ref(reference, history + t2.token_ids + p2, 12)
+    assert client.close_session("cut-plain") is True
+
+
 def test_eviction_and_refill_give_identical_output(cluster, reference):
     """T1 holds one session: B evicts A, and A's next turn is re-pre-filled from
     the coordinator's history."""
