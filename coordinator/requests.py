@@ -33,11 +33,11 @@ class Request:
         return self.job.gamma_policy
 
 
-def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
+def parse_gamma_policy(spec: str, gamma_max: int, plain_tokens: int = 1) -> GammaPolicy:
     """"static:N" | "heuristic" | "adaptive" -> a fresh policy object
     (:func:`specdec.core.gamma.parse_gamma_policy`), bad specs as INVALID_ARGUMENT."""
     try:
-        return gamma_policies.parse_gamma_policy(spec, gamma_max)
+        return gamma_policies.parse_gamma_policy(spec, gamma_max, plain_tokens)
     except ValueError as e:
         raise errors.InvalidRequest(str(e)) from None
 
@@ -51,13 +51,13 @@ class RequestCheck:
 
     def validate(self, job: GenerateJob, pair: PairInfo) -> Request:
         self._check_fields(job, pair)
-        policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, pair.gamma_max)
+        # A call adds at most gamma_max tokens after the target's next one.
+        plain = min(self.config.plain_tokens, pair.gamma_max + 1)
+        policy = parse_gamma_policy(job.gamma_policy or self.config.default_gamma_policy, pair.gamma_max, plain)
         ids = self._prompt_ids(job, pair)
         top_k = self.config.default_draft_top_k if job.draft_top_k is None else job.draft_top_k
         if not job.gamma_policy:
             job = dataclasses.replace(job, gamma_policy=self.config.default_gamma_policy)
-        # A call adds at most gamma_max tokens after the target's next one.
-        plain = min(self.config.plain_tokens, pair.gamma_max + 1)
         return Request(job, ids, policy, job.sampling.with_seed(), min(top_k, pair.vocab_size), plain)
 
     def _check_fields(self, job: GenerateJob, pair: PairInfo) -> None:

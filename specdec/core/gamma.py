@@ -146,6 +146,14 @@ class _DecayingLine:
         """The line's value at x = 0, given its slope."""
         return max(0.0, (self.y - slope * self.x) / self.w) if self.w else 0.0
 
+    def at(self, x: float) -> float | None:
+        """The fitted value at ``x``: the mean of y while x has not varied enough
+        to fit a slope; None with nothing seen."""
+        if not self.w:
+            return None
+        slope = self.slope()
+        return self.y / self.w if slope is None else self.intercept(slope) + slope * x
+
     def forget(self, keep: float) -> None:
         """Keep only ``keep`` of the weight of everything seen so far."""
         self.w, self.x, self.y, self.xx, self.xy = (v * keep for v in (self.w, self.x, self.y, self.xx, self.xy))
@@ -170,7 +178,11 @@ class AdaptiveGamma:
       part holds the round trip to the target);
     * the load: how many sessions share the target's verifying pass, and the
       cost of a pass as a function of the tokens in it (decayed mean and least
-      squares over the passes a batching target reports).
+      squares over the passes a batching target reports);
+    * what a token costs without drafting, where a round without drafts brings
+      ``plain_tokens`` tokens for one call: measured from such rounds, or until
+      there are some, predicted as the verify line's intercept (the round trip
+      and one pass) plus a one-token pass for each further token, over them all.
 
     Under load the goal is the tokens per second of the *system*, not of this
     session. In a pass shared by n sessions each draft this session adds costs
@@ -234,6 +246,7 @@ class AdaptiveGamma:
     optimism: float = 0.5
     probe_budget: float = 0.01
     min_trials: float = 4.0
+    plain_tokens: int = 1  # tokens a round without drafts asks the target for (rounds.Limits.plain_tokens)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -271,8 +284,22 @@ class AdaptiveGamma:
         pass_slope = self._pass.slope() if load >= SHARED_PASSES else None
         if pass_slope is not None:  # what one more token adds to a shared pass
             slope = pass_slope
-        return RoundCost(self._draft_fixed.value, self._draft_per_token.value, self._verify.intercept(slope),
-                         slope * load, self._plain.value)
+        verify_fixed = self._verify.intercept(slope)
+        return RoundCost(self._draft_fixed.value, self._draft_per_token.value, verify_fixed, slope * load,
+                         self._plain_per_token(verify_fixed))
+
+    def _plain_per_token(self, verify_fixed: float) -> float | None:
+        """Seconds a token costs without drafting: as measured, or before any
+        such round, predicted from a round's fixed cost (the round trip, one
+        pass) and, for each further token a call brings, one pass of one token
+        (from the passes the target reports); None if neither (one token a
+        round: the verify line's intercept says it)."""
+        if self._plain.value is not None:
+            return self._plain.value
+        one_pass = self._pass.at(1.0)
+        if self.plain_tokens <= 1 or one_pass is None:
+            return None
+        return (verify_fixed + (self.plain_tokens - 1) * one_pass) / self.plain_tokens
 
     def for_new_request(self, carry: float = 0.25) -> AdaptiveGamma:
         """A copy to start the next request from: the round costs belong to the
@@ -488,9 +515,10 @@ def parse_gamma_spec(spec: str) -> tuple[str, int | None]:
     raise ValueError(f"gamma_policy {spec!r} is not understood: use 'static:N', 'heuristic' or 'adaptive'")
 
 
-def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
+def parse_gamma_policy(spec: str, gamma_max: int, plain_tokens: int = 1) -> GammaPolicy:
     """``static:N`` | ``heuristic`` | ``adaptive`` -> a fresh policy; ValueError
-    naming the problem otherwise."""
+    naming the problem otherwise. ``plain_tokens``: what a round without drafts
+    brings (adaptive weighs not drafting by it)."""
     kind, gamma = parse_gamma_spec(spec)
     if kind == "static":
         if not 0 <= gamma <= gamma_max:
@@ -499,4 +527,4 @@ def parse_gamma_policy(spec: str, gamma_max: int) -> GammaPolicy:
     if kind == "heuristic":
         # gamma_max 0 (speculation off): γ starts at 0, and a round drafting nothing changes nothing
         return HeuristicGamma(gamma=min(HeuristicGamma.gamma, gamma_max), gamma_max=gamma_max)
-    return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max))
+    return AdaptiveGamma(gamma_max=gamma_max, initial_gamma=min(4, gamma_max), plain_tokens=plain_tokens)

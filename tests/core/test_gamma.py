@@ -499,3 +499,16 @@ def test_the_adaptive_policy_learns_plain_rounds_cost_per_token_not_a_verify_tim
         policy.observe(RoundResult([0] * 4, 0, 0, 0.0, 0.016, None, decoded=3,
                                    verify_passes=PassLoad(1, 1, 0.004)))
     assert policy.cost().verify_fixed == pytest.approx(0.004, abs=1e-3)
+
+
+def test_before_any_plain_round_what_not_drafting_costs_is_predicted_from_the_passes():
+    """One call brings 4 tokens: its round trip and first pass, then three more
+    one-token passes (the pass line, from the target's reports, at 1 token)."""
+    policy = AdaptiveGamma(gamma_max=8, plain_tokens=4)
+    for g in (4, 2, 4, 2, 4, 2):
+        tokens = g + 1
+        policy.observe(RoundResult([0] * (g + 1), g, g, 0.002 + 0.001 * g, 0.010 + 0.001 * g, None, 0.003,
+                                   verify_passes=PassLoad(1, tokens, 0.002 + 0.0005 * tokens)))
+    cost = policy.cost()
+    assert cost.plain_per_token == pytest.approx((cost.verify_fixed + 3 * 0.0025) / 4)
+    assert AdaptiveGamma(gamma_max=8).cost() is None  # nothing seen: nothing predicted
