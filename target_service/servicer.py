@@ -27,7 +27,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         host = self.host
         tokens, decode = list(request.draft_tokens), request.decode_tokens
         params = host.check_round(request.session_id, request.position, request.new_tokens,
-                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens", then=decode)
+                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens", decode=decode)
         host.check_vocab(tokens, "draft_tokens")
         qs = [None] * len(tokens) if params.greedy else self._draft_q(request, tokens)
         new_tokens = list(request.new_tokens)

@@ -116,9 +116,10 @@ def _one_round(proposer: Proposer | None, verifier: Verifier, state: SessionStat
     t1 = time.perf_counter()
     verdict = verifier.verify(state.target_synced, state.tokens[state.target_synced:], drafts, params, decode)
     t2 = time.perf_counter()
-    tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token, *verdict.decoded[:decode]]
+    decoded = verdict.decoded[:decode]
+    tokens = [d.token for d in drafts[: verdict.accepted]] + [verdict.next_token, *decoded]
     return RoundResult(tokens, len(drafts), verdict.accepted, t1 - t0, t2 - t1, None, first,
-                       draft_behind if drafts else 0, target_behind, verdict.passes, len(tokens) - verdict.accepted - 1)
+                       draft_behind if drafts else 0, target_behind, verdict.passes, len(decoded))
 
 
 def _commit(result: RoundResult, state: SessionState, limits: Limits, budget: int, room: int) -> RoundResult:

@@ -237,7 +237,7 @@ def judge(runner: ModelRunner, logits: torch.Tensor, drafts: list[DraftToken], p
     if params.greedy:
         return verify_greedy(tokens, logits)
     p = process_logits(logits, params)
-    q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device)
+    q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device) if drafts else p[:0]  # [γ, V]
     return verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
 
 

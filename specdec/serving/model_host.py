@@ -198,23 +198,23 @@ class ModelHost:
         *,
         gamma: int,
         gamma_field: str = "gamma",
-        then: int = 0,
+        decode: int = 0,
     ) -> SamplingParams:
         """Validate what every round request carries; return its sampling params.
 
         ``gamma`` is how many tokens the call adds after ``new_tokens`` (drafted
-        here, or drafts to verify); ``then``, how many the target decodes after
+        here, or drafts to verify); ``decode``, how many the target decodes after
         its verdict (``decode_tokens``)."""
         runner = self.require_ready()
         if not session_id:
             raise InvalidRequest("session_id is empty")
         check_name(session_id, "session_id", MAX_SERVICE_NAME_LEN)
-        for value, field in ((gamma, gamma_field), (then, "decode_tokens")):
+        for value, field in ((gamma, gamma_field), (decode, "decode_tokens")):
             if not 0 <= value <= self.config.gamma_max:
                 raise InvalidRequest(f"{field} {value} is out of range [0, {self.config.gamma_max}]")
-        total = position + len(new_tokens) + gamma + then  # (before any copy: a flood of ids is refused as it is)
+        total = position + len(new_tokens) + gamma + decode  # (before any copy: a flood of ids is refused as it is)
         if total > runner.max_context:
-            decoded = f" + {then} decode_tokens" if then else ""
+            decoded = f" + {decode} decode_tokens" if decode else ""
             raise InvalidRequest(
                 f"sequence of {total} tokens (position {position} + {len(new_tokens)} new_tokens + "
                 f"{gamma} {gamma_field}{decoded}) exceeds the model context of {runner.max_context}"
