@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +36,7 @@ from coordinator.pinning import Pinned, pin
 from coordinator.pools import DnsName, ReplicaPool, parse_addresses
 from coordinator.remote import ServiceClient
 from coordinator.requests import Request, RequestCheck
+from coordinator.tokenizer_source import TokenizerSource
 from coordinator.turn import Services, Turn, open_record
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.serving import auth, errors
@@ -58,17 +57,20 @@ class Coordinator:
     """Drives sessions over pools of draft and target replicas."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer=None, directory: SessionDirectory | None = None,
-                 tokenizer_dir: str | os.PathLike | None = None, metrics=None):
+                 tokenizers: TokenizerSource | None = None, metrics=None):
+        """``tokenizer``: use this one; else ``tokenizers``, else ``--tokenizer``'s
+        (by default the target's own, fetched from it)."""
         self.config = config
         self.metrics = metrics  # a specdec.telemetry.metrics.CoordinatorMetrics, or None
-        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            tokenizers = TokenizerSource(tokenizer=tokenizer)
+        self.tokenizers = tokenizers or TokenizerSource.for_config(config)
+        self.tokenizer = self.tokenizers.tokenizer
         self.directory: SessionDirectory = directory or make_directory(config, metrics)
         self.pools = {role: make_pool(role, config, metrics) for role in ("draft", "target")}
         self.learned = LearnedGamma()
-        self.pairs = PairRegistry(config.gamma_max,
-                                  pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else None,
-                                  on_change=self.learned.forget)
-        self.checks = RequestCheck(config, tokenizer)
+        self.pairs = PairRegistry(config.gamma_max, self.tokenizers.directory, on_change=self.learned.forget)
+        self.checks = RequestCheck(config, self.tokenizer)
         self.observer = CoordinatorObserver(metrics)
         if metrics is not None:
             metrics.watch_replicas(lambda: {role: pool.snapshot() for role, pool in self.pools.items()})
@@ -77,7 +79,9 @@ class Coordinator:
         """The pair a healthy draft and target serve (UNAVAILABLE naming the
         role that has none within ``wait_s``)."""
         draft, target = (self._answering(role, fresh, wait_s) for role in ("draft", "target"))
-        return self.pairs.get(draft, target)
+        pair = self.pairs.get(draft, target)
+        self.tokenizer = self.checks.tokenizer = self.tokenizers.for_pair(pair.vocab_fingerprint, target)
+        return pair
 
     def _answering(self, role: str, fresh: bool, wait_s: float) -> ServiceClient:
         """A healthy replica of ``role`` whose ModelInfo is at hand or that
@@ -206,6 +210,7 @@ class Coordinator:
         for pool in self.pools.values():
             pool.close()
         self.directory.close()
+        self.tokenizers.close()
 
 
 def claim(record: SessionRecord, client: str) -> None:

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 
 from coordinator.remote import ServiceClient
-from specdec.core.vocabulary import check_same_vocabulary
+from specdec.core.vocabulary import shared_vocabulary
 from specdec.models.tokenizer import vocabulary_fingerprint
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import errors
@@ -29,13 +29,14 @@ log = logging.getLogger("specdec.coordinator")
 class PairInfo:
     """What the coordinator needs to know about the model pair."""
 
-    vocab_size: int
+    vocab_size: int  # the target's: what a request's ids and q are checked against
     context: int  # the smaller of the two models' context windows
     eos_token_ids: frozenset[int]
     draft_name: str
     target_name: str
     gamma_max: int  # the largest γ a request may use: the coordinator's limit or the services', if lower
     vocab_fingerprint: str = ""  # the vocabulary both serve
+    draft_vocab_size: int = 0  # the draft's rows (padding may make it differ from the target's)
 
 
 class PairRegistry:
@@ -91,9 +92,10 @@ class PairRegistry:
         its role ("": it does not). Only that replica is asked."""
         info = self.info(client, fresh)
         name = pair.draft_name if client.role == "draft" else pair.target_name
+        rows = pair.draft_vocab_size if client.role == "draft" else pair.vocab_size
         if info.model_name != name:
             return f"serves {info.model_name!r}, the turn began with {name!r}"
-        if info.vocab_size != pair.vocab_size or info.vocab_fingerprint != pair.vocab_fingerprint:
+        if info.vocab_size != rows or info.vocab_fingerprint != pair.vocab_fingerprint:
             return f"has another vocabulary (size {info.vocab_size}, fingerprint {info.vocab_fingerprint})"
         if info.max_context < pair.context:
             return f"holds a context of {info.max_context}, the turn needs {pair.context}"
@@ -134,7 +136,7 @@ class PairRegistry:
               target_client: ServiceClient) -> PairInfo:
         draft, target = self._where(d, draft_client), self._where(t, target_client)
         try:
-            check_same_vocabulary(draft, d.vocab_size, d.vocab_fingerprint, target, t.vocab_size, t.vocab_fingerprint)
+            shared_vocabulary(draft, d.vocab_size, d.vocab_fingerprint, target, t.vocab_size, t.vocab_fingerprint)
         except ValueError as e:
             raise errors.FailedPrecondition(str(e)) from None
         if self.tokenizer_dir is not None and (self.tokenizer_dir / "tokenizer.json").is_file():
@@ -148,7 +150,7 @@ class PairRegistry:
         return PairInfo(vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
                         eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name,
                         target_name=t.model_name, gamma_max=min([self.gamma_max, *limits]),
-                        vocab_fingerprint=t.vocab_fingerprint)
+                        vocab_fingerprint=t.vocab_fingerprint, draft_vocab_size=d.vocab_size)
 
     def _fingerprint(self, vocab_size: int) -> str:
         if vocab_size not in self._fingerprints:

@@ -295,8 +295,10 @@ class RemoteProposer:
     re-pre-filled from the history, or drafts nothing (γ = 0) while there is
     none. One out of KV memory drafts nothing for that round."""
 
-    def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats, draft_top_k: int = 0):
+    def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats, draft_top_k: int = 0,
+                 target_vocab_size: int = 0):
         self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
+        self.target_vocab_size = target_vocab_size  # the draft proposes only ids the target holds too
 
     def propose(
         self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams
@@ -311,7 +313,8 @@ class RemoteProposer:
         while True:
             client = self.pinned.client
             request = conv.propose_request(
-                self.session.key, self.session.ids.next_id, position, new_tokens, gamma, params, self.draft_top_k
+                self.session.key, self.session.ids.next_id, position, new_tokens, gamma, params, self.draft_top_k,
+                self.target_vocab_size,
             )
             yielded = received = 0
             try:

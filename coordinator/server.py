@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import pathlib
 
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
@@ -35,26 +34,6 @@ log = logging.getLogger("specdec.coordinator")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, CoordinatorConfig)
-
-
-def tokenizer_dir(config: CoordinatorConfig) -> pathlib.Path | None:
-    """``--tokenizer``, else the bundled target model's directory when it ships a
-    tokenizer, else None (also for ``--tokenizer none``)."""
-    from specdec.models.tokenizer import has_tokenizer
-
-    if config.tokenizer == "none":
-        return None
-    if config.tokenizer:
-        path = pathlib.Path(config.tokenizer)
-        if not path.is_dir():
-            raise ValueError(f"--tokenizer {path}: not a directory")
-        if not has_tokenizer(path):
-            raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
-        return path
-    from specdec.models import bundled
-
-    path = bundled.target_path()
-    return path if has_tokenizer(path) else None
 
 
 @dataclasses.dataclass
@@ -106,18 +85,16 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     from coordinator.admission import ClientLimits
     from coordinator.engine import Coordinator
     from coordinator.service import CoordinatorServicer
-    from specdec.models.tokenizer import load_tokenizer
+    from coordinator.tokenizer_source import TokenizerSource
     from specdec.serving.auth import parse_tokens
 
-    tok_dir = tokenizer_dir(config)
-    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
-    if tokenizer is None:
-        log.warning("no tokenizer (give --tokenizer DIR): only prompt_ids requests work, deltas carry no text")
+    tokenizers = TokenizerSource.for_config(config)
+    if config.tokenizer == "none":
+        log.warning("no tokenizer (--tokenizer none): only prompt_ids requests work, deltas carry no text")
     if telemetry is not None:  # first: a busy metrics port fails before anything listens
         telemetry.serve_metrics(config.host)
     try:
-        engine = Coordinator(config, tokenizer=tokenizer, tokenizer_dir=tok_dir if tokenizer is not None else None,
-                             metrics=telemetry.metrics if telemetry else None)
+        engine = Coordinator(config, tokenizers=tokenizers, metrics=telemetry.metrics if telemetry else None)
     except BaseException:
         if telemetry is not None:
             telemetry.close()
@@ -139,7 +116,8 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     await server.start()
     await server.set_serving(await directory_reachable(engine.directory))
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
-             "sessions %s, %s)", config.host, port, config.draft, config.target, tok_dir or "none",
+             "sessions %s, %s)", config.host, port, config.draft, config.target,
+             tokenizers.directory or ("the target's" if tokenizers.from_target else "none"),
              f"in Redis at {engine.directory.where}" if config.redis else "in memory",
              f"{len(tokens.by_digest)} clients by token" if tokens else "no authentication")
     def checked(future: asyncio.Future) -> None:

@@ -228,7 +228,7 @@ class Turn:
                                 lambda replica: services.serves(pair, replica), services.metrics)
         proposer = None
         if self.drafting and services.draft is not None:
-            proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k)
+            proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k, pair.vocab_size)
         verifier = RemoteVerifier(services.target, session, self.target_stats)
         self.ended_before = self._complete(text)
         budget = 0 if self.ended_before else self.turn.max_new_tokens - len(self.turn.generated)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from specdec.core.interfaces import DraftToken
-from specdec.models.local import draft_ahead_steps, draft_steps, held_tokens, new_draft_sequence
+from specdec.models.local import DraftRule, draft_ahead_steps, draft_steps, held_tokens, new_draft_sequence
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -29,10 +29,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def Propose(self, request: pb.ProposeRequest, context):
         host, gamma = self.host, request.gamma
+        own = host.require_ready().vocab_size
+        target_vocab = request.target_vocab_size or own
         params = host.check_round(request.session_id, request.position, request.new_tokens,
-                                  request.sampling, gamma=gamma)
+                                  request.sampling, gamma=gamma, vocab_size=max(own, target_vocab))
+        rule = DraftRule(top_k=request.draft_top_k, vocab=target_vocab if target_vocab < own else 0)
         new_tokens = list(request.new_tokens)
-        key = (request.position, tuple(new_tokens), gamma, request.draft_top_k, sampling_key(request.sampling))
+        key = (request.position, tuple(new_tokens), gamma, rule, sampling_key(request.sampling))
         async with host.session(request.session_id, request.position, len(new_tokens) + gamma) as session:
             recorded = session.replay(request.round_id, key)
             if recorded is not None:  # a retried round: the same tokens, not drafted twice
@@ -40,8 +43,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     yield msg
                 return
             timing = ServerTiming()
-            steps = draft_steps(host.runner, session.state, request.position, new_tokens, gamma,
-                                params, request.draft_top_k)
+            steps = draft_steps(host.runner, session.state, request.position, new_tokens, gamma, params, rule)
             # Each token is handed to the event loop as soon as it exists (on the
             # model's thread, its q already copied to the host) and streamed from there.
             loop = asyncio.get_running_loop()
@@ -65,9 +67,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             if host.metrics is not None and reused:
                 host.metrics.observe_draft_ahead(reused=reused)
             if gamma and host.config.draft_ahead:
-                host.run_in_background(self._draft_ahead(session, params, request.draft_top_k, gamma))
+                host.run_in_background(self._draft_ahead(session, params, rule, gamma))
 
-    def _draft_ahead(self, session, params, draft_top_k: int, gamma: int):
+    def _draft_ahead(self, session, params, rule: DraftRule, gamma: int):
         """While the target verifies, this device would idle: draft the next round
         as if every draft is accepted (:func:`specdec.models.local.draft_ahead_steps`):
         the guess at the target's token, then γ + DRAFT_AHEAD_EXTRA drafts. Lossless
@@ -76,7 +78,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         host, seq = self.host, session.state
         scheduler = host.scheduler
         try:
-            yield from draft_ahead_steps(host.runner, seq, params, draft_top_k, 1 + gamma + DRAFT_AHEAD_EXTRA,
+            yield from draft_ahead_steps(host.runner, seq, params, rule, 1 + gamma + DRAFT_AHEAD_EXTRA,
                                          lambda: scheduler.calls_waiting() or not host.sessions.holds(session))
         finally:  # also when closed: the drafts made so far stay usable
             drafts = seq.ahead.drafts if seq.ahead is not None else []

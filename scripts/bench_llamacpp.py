@@ -135,7 +135,7 @@ def product_floor_ms(runner, repeats: int = 200) -> float:
     """Milliseconds one token's matrix products take through torch, alone: the
     target's layers' q/k/v, output, gate/up and down products and the LM head,
     over the weights as the lean forward holds them."""
-    lean = runner.forward_model
+    lean = runner.forward.lean
     weights = [w for layer in lean.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     inputs = {w.shape[0]: torch.randn(1, w.shape[0], dtype=w.dtype, device=w.device) for w in weights}
     x = torch.randn(1, lean.lm_head.shape[1], dtype=lean.lm_head.dtype)

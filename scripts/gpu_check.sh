@@ -25,19 +25,30 @@ print(torch.cuda.get_device_name(device) if device.type == "cuda" else device)
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
-# Every test here puts its models on $DEVICE: the cache adapter, the lean forward,
-# greedy equality with target-only decoding, the chi-square losslessness check, the
-# bundled pair, and the services (host<->device copies of q included). The
-# chi-square check draws 5,000 samples per setting instead of 20,000: each draw
-# costs several kernel launches here, and 5,000 still detect its negative control.
+# Every test here puts its models on $DEVICE: the paged KV store, every family's
+# batched forward against its own (varlen kernel, CUDA graphs of whole passes), the
+# lean Llama layers, greedy equality with target-only decoding, the chi-square
+# losslessness check, the bundled pair, and the services (host<->device copies of q
+# included). The chi-square check draws 5,000 samples per setting instead of
+# 20,000: each draw costs several kernel launches here, and 5,000 still detect its
+# negative control.
 SPECDEC_TEST_DEVICE=$DEVICE SPECDEC_LOSSLESS_SAMPLES=5000 timeout -k 10 240 "$PYTHON" -m pytest -q \
     -p no:cacheprovider --durations=8 \
-    tests/models/test_kv_cache.py tests/models/test_lean_llama.py tests/models/test_decoder.py \
-    tests/models/test_bundled_pair.py tests/models/test_lossless.py tests/services/test_services.py 2>&1 | tee "$RESULTS/pytest.log"
+    tests/models/test_paged_kv.py tests/models/test_batched.py tests/models/test_lean_llama.py \
+    tests/models/test_decoder.py tests/models/test_bundled_pair.py tests/models/test_lossless.py \
+    tests/services/test_services.py 2>&1 | tee "$RESULTS/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
-# CUDA graphs: a decode step of the bundled target (lean forward) with and without
-# them, taking turns, in one run.
+# Real sizes, no download: Llama-3.1-8B-, Qwen2.5-7B- and Llama-3.2-1B-shaped models
+# with random bfloat16 weights, a decode pass at 1, 16 and 64 sessions of 1024
+# positions against the bandwidth bound (weights + KV read per pass / the device's
+# copy bandwidth).
+timeout -k 10 300 "$PYTHON" scripts/gpu_realsize.py --device "$DEVICE" --json "$RESULTS/realsize.json" 2>&1 \
+    | tee "$RESULTS/realsize.txt"
+realsize_rc=${PIPESTATUS[0]}
+
+# CUDA graphs: a decode step of the bundled target with and without them, taking
+# turns, in one run.
 timeout -k 10 120 "$PYTHON" - <<'EOF' 2>&1 | tee "$RESULTS/cuda-graphs.txt"
 import os, statistics
 from specdec.models import bundled
@@ -57,5 +68,5 @@ EOF
 timeout -k 10 200 "$PYTHON" -m specdec.cli bench $BENCH_ARGS --device-target "$DEVICE" --out "$RESULTS/bench" \
     2>&1 | tee "$RESULTS/bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "tests rc=$tests_rc bench rc=$bench_rc" | tee -a "$RESULTS/env.txt"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "tests rc=$tests_rc realsize rc=$realsize_rc bench rc=$bench_rc" | tee -a "$RESULTS/env.txt"
+[ "$tests_rc" = 0 ] && [ "$realsize_rc" = 0 ] && [ "$bench_rc" = 0 ]

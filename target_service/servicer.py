@@ -72,6 +72,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def GetModelInfo(self, request, context):
         return self.host.model_info()
 
+    async def GetTokenizer(self, request, context):
+        async for name, data in self.host.tokenizer_chunks():
+            yield pb.TokenizerChunk(file=name, data=data)
+
 
 def add_to_server(host: ModelHost, server) -> None:
     pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(host), server)

@@ -50,8 +50,10 @@ def make_tiny_llama(
 def make_noisy_copy(src_dir: pathlib.Path, out_dir: pathlib.Path, *, noise: float, seed: int = 0) -> pathlib.Path:
     """A draft that mostly agrees with ``src_dir``'s model: its weights plus
     Gaussian noise of relative scale ``noise``."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM.from_pretrained(src_dir)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * noise * p.std().clamp(min=1e-3))
@@ -83,6 +85,22 @@ def add_byte_tokenizer(model_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(model_dir)
 
 
+def add_word_tokenizer(model_dir: pathlib.Path, size: int) -> pathlib.Path:
+    """Give a model directory a tokenizer of ``size`` words, ``w0`` .. ``w{size-1}``
+    (whitespace-separated): models whose vocabularies are padded past it share
+    it, and its fingerprint."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(pathlib.Path(model_dir) / "tokenizer.json"))
+    (pathlib.Path(model_dir) / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0"}), encoding="utf-8")
+    return pathlib.Path(model_dir)
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -95,3 +113,58 @@ def _bytes_to_unicode() -> dict[int, str]:
             n += 1
     return dict(zip(bs, map(chr, cs), strict=True))
 
+
+
+# Tiny configurations of the families users bring, each exercising what its
+# modules do differently: attention biases (llama-bias, qwen2), q/k norms
+# (qwen3, olmo2), sliding windows a session crosses (mistral, phi3), Gemma's
+# soft-capping, embedding scale and alternating sliding/full layers (gemma2,
+# gemma3_text), and multipliers (granite). Windows are 8 positions, so a few
+# dozen tokens cross them. olmo2 and granite are named by no code in specdec:
+# any decoder whose attention goes through the interface runs the same way.
+ARCHITECTURES = {
+    "llama": ("llama", {}),
+    "llama-bias": ("llama", dict(attention_bias=True)),
+    "qwen2": ("qwen2", dict(use_sliding_window=False)),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              query_pre_attn_scalar=16)),
+    "gemma3": ("gemma3_text", dict(sliding_window=8,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(sliding_window=8)),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", dict(embedding_multiplier=2.0, attention_multiplier=0.2, logits_scaling=2.0)),
+}
+
+
+def tiny_config(arch: str, *, vocab_size: int = 96, layers: int = 3, max_positions: int = 512, **overrides):
+    """A transformers config of ``arch`` (a key of ARCHITECTURES), tiny."""
+    from transformers import AutoConfig
+
+    model_type, extra = ARCHITECTURES[arch]
+    settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    settings.update(extra)
+    settings.update(overrides)
+    return AutoConfig.for_model(model_type, **settings)
+
+
+def make_tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised (seeded) causal LM of ``arch``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(dtype).eval()
+
+
+def save_tiny_model(out_dir: pathlib.Path, arch: str, *, seed: int = 0, logit_scale: float = 1.0,
+                    **overrides) -> pathlib.Path:
+    """``make_tiny_model`` saved to ``out_dir``; ``logit_scale`` sharpens its output
+    distribution (scales the LM head)."""
+    model = make_tiny_model(arch, seed=seed, **overrides)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.save_pretrained(out_dir)
+    return pathlib.Path(out_dir)

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafted tokens per round (--local; default 4, 0 = target only)")
     p.add_argument("--device", default=None, help="device for the models (--local; default cpu), e.g. cuda:0")
     p.add_argument("--lean-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="(--local) run Llama-architecture models through specdec's lean forward, as the services "
-                        "do (default); --no-lean-forward: Hugging Face's")
+                   help="(--local) run plain Llama models' layers through specdec's lean tensor ops, as the "
+                        "services do (default); --no-lean-forward: through their own modules")
     p.add_argument("--session", default="", metavar="ID",
                    help="(--coordinator) continue the named session: the prompt is appended to its history")
     p.add_argument("--gamma-policy", default="", metavar="POLICY",

@@ -125,17 +125,11 @@ def child_env(threads: int | None = None) -> dict[str, str]:
 # specdec serve --metrics-port PORT: where each role's /metrics goes.
 METRICS_PORT_OFFSETS = {"coordinator": 0, "draft": 1, "target": 2}
 
+# The share of a GPU's free memory each model service's KV pool takes when both
+# services are on that one GPU (each measures what is free when it loads).
+KV_SHARE = {"draft": 0.25, "target": 0.6}
 # The variables that set the draft service's --draft-ahead (most specific first).
 DRAFT_AHEAD_ENV = env_names(DraftConfig, "draft_ahead")
-
-
-def coordinator_tokenizer(tokenizer: str | None, target: pathlib.Path) -> str:
-    """The coordinator's ``--tokenizer``: the one given, else the target model's
-    own, else "none" (prompt_ids only): the coordinator's default, the bundled
-    target's tokenizer, belongs to another model."""
-    from specdec.models.tokenizer import has_tokenizer
-
-    return str(tokenizer or (target if has_tokenizer(target) else "none"))
 
 
 class Stack:
@@ -172,12 +166,15 @@ class Stack:
         self._started: dict[str, float] = {}
         self._failures: dict[str, int] = {}  # restarts since the role last ran a minute
         self._due: dict[str, float] = {}  # when a dead role is started again
+        shared_gpu = devices["draft"] == devices["target"] and devices["target"].startswith("cuda")
         for role, config, model in (("draft", DraftConfig, draft), ("target", TargetConfig, target)):
+            # On one GPU each takes a share of the free memory for its KV pool, not 0.8 each.
+            fraction = {"kv_memory_fraction": KV_SHARE[role]} if shared_gpu else {}
             flags = command_line(config, model=model, device=devices[role], port=ports[role],
-                                 metrics_port=metrics_ports.get(role), **common)
+                                 metrics_port=metrics_ports.get(role), **common, **fraction)
             self._launch[role] = ([*cli, f"{role}-service", *flags], dict(env=envs[role], **kw, **pinned(role)))
         flags = command_line(CoordinatorConfig, draft=self.address("draft"), target=self.address("target"),
-                             tokenizer=coordinator_tokenizer(tokenizer, target), port=ports["coordinator"],
+                             tokenizer=tokenizer, port=ports["coordinator"],
                              metrics_port=metrics_ports.get("coordinator"), **common)
         self._launch["coordinator"] = ([*cli, "coordinator", *flags], dict(env=child_env(1), **kw,
                                                                            **pinned("coordinator")))

@@ -73,13 +73,15 @@ def _correction(p: torch.Tensor, q: torch.Tensor, seed: int, position: int) -> i
 
 
 def dense_rows(qs: list[Distribution], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Stack draft distributions into a dense [γ, V] float32 tensor."""
-    if qs and not any(isinstance(q, SparseDist) for q in qs):
+    """Stack draft distributions into a dense [γ, V] float32 tensor. A dense q
+    shorter than V covers the first ids (a draft restricted to the ids both
+    models hold): the rest have probability 0."""
+    if qs and all(not isinstance(q, SparseDist) and q.shape[0] == vocab_size for q in qs):
         return torch.stack(qs).to(device, torch.float32)  # already dense: one op
     out = torch.zeros(len(qs), vocab_size, dtype=torch.float32, device=device)
     for i, q in enumerate(qs):
         if isinstance(q, SparseDist):
             out[i].index_copy_(0, q.ids.to(device), q.probs.to(device, torch.float32))
         else:
-            out[i].copy_(q)
+            out[i, :q.shape[0]].copy_(q)
     return out

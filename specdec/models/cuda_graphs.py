@@ -1,102 +1,96 @@
-"""CUDA graphs of the lean forward's per-layer work.
+"""CUDA graphs of whole decode-sized passes, attention included.
 
-Why: on a GPU at decoding batch sizes a forward pass of a small or mid-sized
-model is mostly kernel launches, not arithmetic: each layer is a dozen small
-kernels, each launched from Python (the reason vLLM and TensorRT-LLM capture
-CUDA graphs). A CUDA graph records a sequence of kernels once and replays it
-with one launch.
+Why: on a GPU at decoding batch sizes a forward pass is mostly kernel
+launches, not arithmetic: each layer is a dozen small kernels launched from
+Python (the reason vLLM, SGLang and TensorRT-LLM capture CUDA graphs). A graph
+records the kernels of a pass once and replays them with one launch.
 
-What is recorded: for each layer, its work before attention (norm, the q/k/v
-product, rotary embedding) and its work after (output product, residual, norm,
-MLP, residual). Attention itself stays outside: each session's KV cache lies
-in memory of its own and grows, which a recording (fixed addresses, fixed
-shapes) cannot follow. A recording also fixes the number of tokens, so passes
-are padded up to the next size of 1, 2, 4, ... ``max_tokens``, each size with its
-own recordings over its own fixed buffers, all made when the model loads;
-larger passes (pre-fills) launch as they are. The padding rows compute zeros
-that nothing reads: every recorded operation works row by row.
+A recording fixes every address and shape, so a pass of T tokens is padded to
+the next size of 1, 2, 4 ... ``max_tokens`` and run over that size's fixed
+buffers: token ids, positions, and a ``varlen`` attention plan with room for T
+rows (a pass of T tokens has at most T), each with a block table as wide as
+the model's context. The paged store's pool never moves on a CUDA device, and
+FlashAttention's paged kernel reads keys and values through the tables, so
+the same recording serves any sessions of any lengths. Padding tokens write
+their keys to the scratch block and belong to no row; padding rows hold no
+positions; nothing reads what they compute. Larger passes (pre-fills), and
+passes with rows that carry their own masks, run eagerly.
 
-Off CUDA, :class:`LayerGraphs` runs the same fixed buffers with plain calls in
-place of replays, which is how the tests check everything but the recording
-itself on a CPU.
+Each size is recorded when the model loads. Off CUDA the same buffers run with
+plain calls in place of replays, which is how the tests check everything but
+the recording itself on a CPU (with a reference of the varlen kernel).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from specdec.models.attention import GroupPlan, PassPlan
 
-class LayerGraphs:
-    """Per-size recordings of a ``LeanLlama``'s per-layer work (see the module docstring)."""
+log = logging.getLogger(__name__)
 
-    def __init__(self, lean, max_tokens: int):
-        device = lean.embed.device
-        if device.type == "cuda":
-            recorder = Recorder(device)
-        else:
-            def recorder(work):
-                return work
+
+class PassGraphs:
+    """Recordings of ``run(ids, positions, keep, plan)`` for each padded pass size."""
+
+    def __init__(self, run: Callable, kv, layer_of: dict[int, int], max_tokens: int, max_context: int):
+        device = kv.device
+        recorder = Recorder(device) if device.type == "cuda" else (lambda work: work)
         sizes = [1 << i for i in range(max(1, max_tokens).bit_length())]
         self.max_tokens = sizes[-1]
-        self._sizes = {size: RecordedLayers(lean, size, recorder) for size in sizes}
+        self._sizes = {size: RecordedPass(run, kv, layer_of, size, max_context, recorder) for size in sizes}
 
-    def for_tokens(self, tokens: int) -> RecordedLayers | None:
-        """The recordings for a pass of ``tokens`` tokens; None beyond ``max_tokens``."""
+    def for_tokens(self, tokens: int) -> RecordedPass | None:
+        """The recording for a pass of ``tokens`` tokens; None beyond ``max_tokens``."""
         return self._sizes.get(1 << (tokens - 1).bit_length())
 
 
-class RecordedLayers:
-    """Fixed buffers for passes of up to ``size`` tokens, and each layer's work
-    before and after attention recorded over them. The interface of
-    :class:`specdec.models.lean_llama.EagerLayers`."""
+class RecordedPass:
+    """The fixed buffers of passes of up to ``size`` tokens, and the pass recorded over them."""
 
-    def __init__(self, lean, size: int, record: Callable[[Callable[[], None]], Callable[[], None]]):
-        weight = lean.embed
-        zeros = dict(dtype=weight.dtype, device=weight.device)
-        self.n = 0
-        self._x = torch.zeros(size, weight.shape[1], **zeros)  # the residual stream
-        self._cos = torch.zeros(size, 1, lean.head_dim, **zeros)
-        self._sin = torch.zeros_like(self._cos)
-        self._qk = torch.zeros(size, lean.heads + lean.kv_heads, lean.head_dim, **zeros)
-        self._v = torch.zeros(size, lean.kv_heads, lean.head_dim, **zeros)
-        self._attention = torch.zeros(size, lean.heads * lean.head_dim, **zeros)
+    def __init__(self, run: Callable, kv, layer_of: dict[int, int], size: int, max_context: int,
+                 record: Callable[[Callable[[], None]], Callable[[], None]]):
+        device, i32 = kv.device, torch.int32
+        width = -(-max_context // kv.block_size)
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.keep = torch.arange(size, device=device)  # every token's logits; the rows' are picked after
+        groups = [GroupPlan(write=torch.zeros(size, dtype=torch.long, device=device), window=window,
+                            block_table=torch.zeros(size, width, dtype=i32, device=device),
+                            seq_used=torch.zeros(size, dtype=i32, device=device),
+                            cu_k=torch.zeros(size + 1, dtype=i32, device=device), max_k=max_context)
+                  for window in kv.windows]
+        self.plan = PassPlan(kv=kv, kernel="varlen", layer_of=layer_of, groups=groups, rows=size,
+                             positions_end=max_context, cu_q=torch.zeros(size + 1, dtype=i32, device=device),
+                             max_q=size)
+        self.logits: torch.Tensor | None = None
 
-        def before(layer: int) -> Callable[[], None]:
-            def work() -> None:
-                qk, v = lean.before_attention(layer, self._x, self._cos, self._sin)
-                self._qk.copy_(qk)
-                self._v.copy_(v)
-            return work
+        def work() -> None:
+            self.logits = run(self.ids, self.positions, self.keep, self.plan)
 
-        def after(layer: int) -> Callable[[], None]:
-            def work() -> None:
-                self._x.copy_(lean.after_attention(layer, self._x, self._attention))
-            return work
+        self._replay = record(work)
 
-        layers = range(len(lean.layers))
-        self._before = [record(before(i)) for i in layers]
-        self._after = [record(after(i)) for i in layers]
-
-    def start(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        n = self.n = x.shape[0]
-        self._x[:n].copy_(x)
-        self._x[n:].zero_()  # the last pass's rows: kept finite
-        self._cos[:n].copy_(cos)
-        self._sin[:n].copy_(sin)
-
-    def before_attention(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._before[layer]()
-        return self._qk[:self.n], self._v[:self.n]
-
-    def after_attention(self, layer: int, attention: torch.Tensor) -> None:
-        self._attention[:self.n].copy_(attention)
-        self._after[layer]()
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self._x[:self.n]
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        """Logits [T, V] of every token of a pass whose inputs are ``ids`` and
+        ``positions`` [T] and whose (varlen) plan is ``plan``."""
+        n, rows, static = ids.shape[0], plan.rows, self.plan
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
+        static.cu_q[:rows + 1].copy_(plan.cu_q)
+        static.cu_q[rows + 1:].fill_(n)  # padding rows hold no queries
+        for mine, theirs in zip(static.groups, plan.groups, strict=True):
+            mine.write[:n].copy_(theirs.write)
+            mine.write[n:].zero_()  # padding tokens: the scratch block
+            width = theirs.block_table.shape[1]
+            mine.block_table[:rows, :width].copy_(theirs.block_table)
+            mine.seq_used[:rows].copy_(theirs.seq_used)
+            mine.seq_used[rows:].zero_()  # padding rows hold no positions
+            torch.cumsum(mine.seq_used, 0, dtype=torch.int32, out=mine.cu_k[1:])
+        self._replay()
+        return self.logits[:n]
 
 
 class Recorder:

@@ -12,8 +12,8 @@ from specdec.core.gamma import GammaPolicy, StaticGamma
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K, NO_OBSERVER, RoundObserver, SamplingParams, SessionState
 from specdec.core.rounds import Limits, run_rounds
 from specdec.core.text import TextStream, decode_continuation
-from specdec.core.vocabulary import check_same_vocabulary, check_token_ids
-from specdec.models.local import LocalProposer, LocalVerifier, new_draft_sequence
+from specdec.core.vocabulary import check_token_ids, shared_vocabulary
+from specdec.models.local import DraftRule, LocalProposer, LocalVerifier, new_draft_sequence
 from specdec.models.runner import ModelRunner
 
 
@@ -50,10 +50,11 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, context: int) -> None:
         )
 
 
-def check_pair(target: ModelRunner, draft: ModelRunner) -> None:
-    """Draft and target must map ids to the same tokens."""
-    check_same_vocabulary(f"draft {draft.path}", draft.vocab_size, draft.fingerprint,
-                          f"target {target.path}", target.vocab_size, target.fingerprint)
+def check_pair(target: ModelRunner, draft: ModelRunner) -> int:
+    """Draft and target must map ids to the same tokens; returns how many, from
+    0, both hold (vocabularies may differ in padding rows)."""
+    return shared_vocabulary(f"draft {draft.path}", draft.vocab_size, draft.fingerprint,
+                             f"target {target.path}", target.vocab_size, target.fingerprint)
 
 
 def _runner(model, device: str, dtype: str, lean: bool = False) -> ModelRunner:
@@ -69,10 +70,11 @@ class SpeculativeDecoder:
     >>> dec = SpeculativeDecoder(target="path/to/target", draft="path/to/draft")
     >>> out = dec.generate(prompt_ids, max_new_tokens=64, gamma=4)
 
-    A model loaded from a path runs through specdec.models.lean_llama when it can,
-    as the services' models do (``lean=False``: Hugging Face's forward for both).
-    The lean target's logits equal Hugging Face's to float rounding, so its
-    greedy output is Hugging Face's except where two tokens tie to the last bit.
+    A model loaded from a path runs batched through its own modules, a plain
+    Llama through the lean Llama layers as the services' models do
+    (``lean=False``: its own modules). The lean target's logits equal the
+    model's own to float rounding, so its greedy output is the model's except
+    where two tokens tie to the last bit.
     """
 
     def __init__(
@@ -87,9 +89,10 @@ class SpeculativeDecoder:
     ):
         self.target = _runner(target, device, dtype, lean=lean)
         self.draft = None
+        self.shared_vocab = self.target.vocab_size
         if draft is not None:
             self.draft = _runner(draft, draft_device or device, dtype, lean=lean)
-            check_pair(self.target, self.draft)
+            self.shared_vocab = check_pair(self.target, self.draft)
 
     @property
     def tokenizer(self):
@@ -135,7 +138,8 @@ class SpeculativeDecoder:
         verifier = LocalVerifier(self.target, self.target.new_sequence())
         proposer = None
         if self.draft is not None and not (isinstance(gamma, int) and gamma == 0):
-            proposer = LocalProposer(self.draft, new_draft_sequence(self.draft), draft_top_k)
+            vocab = self.shared_vocab if self.shared_vocab < self.draft.vocab_size else 0
+            proposer = LocalProposer(self.draft, new_draft_sequence(self.draft), DraftRule(draft_top_k, vocab))
         limits = Limits(max_new_tokens, context, frozenset(self.target.eos_token_ids), text, plain_tokens)
         rounds = list(run_rounds(proposer, verifier, state, params=params, gamma_policy=policy, limits=limits,
                                  observer=observer))

@@ -4,9 +4,10 @@ Why: at the batch sizes of decoding (one to a few tokens per session) a forward
 pass through Hugging Face's modules spends much of its time not on arithmetic
 but on Python: module calls, config lookups, mask construction and output
 dataclasses, paid every layer of every pass. This module runs the same weights
-with a handful of tensor operations per layer and a KV cache of its own
-(tensors grown as needed; rolling back is lowering a length), over a ragged
-batch of sessions in one pass.
+with a handful of tensor operations per layer, over the same ragged batches,
+paged KV store and attention function as every other model
+(:mod:`specdec.models.batched`, :mod:`specdec.models.attention`): only the
+work around attention is its own.
 
 Its logits equal Hugging Face's to float rounding, in float32 and bfloat16
 (tests/models/test_lean_llama.py). For the draft that is only about acceptance:
@@ -22,8 +23,8 @@ memory.
 
 Models this cannot run exactly as Hugging Face would (other architectures,
 quantized or adapted weights, biases, other activations, rotary scalings that
-depend on the sequence length) are reported by ``unsupported_reason`` and keep
-Hugging Face's forward.
+depend on the sequence length) are reported by ``unsupported_reason`` and run
+through their own modules.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+from specdec.models.attention import PassPlan, attend
 
 # Rotary embeddings whose cos/sin depend only on the position (not on the
 # sequence length), so a table computed once holds for every call.
@@ -61,31 +64,6 @@ def unsupported_reason(model) -> str | None:
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type {rope_type!r} depends on the sequence length"
     return None
-
-
-@dataclasses.dataclass
-class LeanCache:
-    """Keys and values of one sequence: [layers, kv_heads, capacity, head_dim]
-    each, of which the first ``length`` positions are held. Rolling back is
-    lowering ``length``. Capacity starts at the first pass's length and grows
-    by half (at least 256 positions) when a pass needs more, up to the model's
-    context: a session holds at most ~1.5× its tokens' worth, plus 256."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    length: int = 0
-
-    def reserve(self, needed: int, limit: int) -> None:
-        """Room for ``needed`` positions; grown to at most ``limit`` (or ``needed``)."""
-        capacity = self.keys.shape[2]
-        if needed <= capacity:
-            return
-        capacity = max(needed, min(capacity + max(256, capacity // 2), limit))
-        grown_k = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
-        grown_v = torch.empty_like(grown_k)
-        grown_k[:, :, : self.length] = self.keys[:, :, : self.length]
-        grown_v[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = grown_k, grown_v
 
 
 @dataclasses.dataclass
@@ -131,13 +109,11 @@ def _side_by_side(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 class LeanLlama:
-    """The forward pass of a loaded ``LlamaForCausalLM`` with plain tensor ops.
-    Shares the model's weights (nothing is copied; see the module docstring)."""
+    """The layers of a loaded ``LlamaForCausalLM`` with plain tensor ops, for
+    :meth:`specdec.models.batched.BatchedModel.run`. Shares the model's weights
+    (nothing is copied; see the module docstring)."""
 
-    def __init__(self, model, graph_tokens: int = 0):
-        """``graph_tokens`` > 0: passes of up to that many tokens run their
-        per-layer work through :class:`specdec.models.cuda_graphs.LayerGraphs`
-        (recorded as CUDA graphs on a CUDA device)."""
+    def __init__(self, model):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"cannot run this model with the lean forward: {reason}")
@@ -146,6 +122,7 @@ class LeanLlama:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
         self.max_positions = config.max_position_embeddings
         with torch.no_grad():
             self.layers = [_layer_weights(layer) for layer in model.model.layers]
@@ -154,19 +131,24 @@ class LeanLlama:
         norm = model.model.norm
         self.final_norm, self.final_eps = norm.weight.detach(), norm.variance_epsilon
         self._cos = self._sin = None  # [positions, head_dim] rotary tables, grown on demand
-        self.graphs = None
-        if graph_tokens > 0:
-            from specdec.models.cuda_graphs import LayerGraphs
 
-            self.graphs = LayerGraphs(self, graph_tokens)
-
-    def new_cache(self) -> LeanCache:
-        shape = (len(self.layers), self.kv_heads, 0, self.head_dim)  # allocated by the first pass
-        keys = torch.empty(shape, dtype=self.embed.dtype, device=self.embed.device)
-        return LeanCache(keys=keys, values=torch.empty_like(keys))
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        """Logits [K, V] at the tokens ``keep`` of a pass of ``ids`` [T] at
+        ``positions`` [T], attending through ``plan``. Every token goes through
+        the products together ([T, hidden]: where a batch saves time, since the
+        weights are read once)."""
+        cos, sin = self._rotary(plan.positions_end)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]  # [T, 1, head_dim]: one angle per token
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        for i in range(len(self.layers)):
+            qk, v = self.before_attention(i, x, cos, sin)
+            out = attend(plan, i, qk[:, :self.heads], qk[:, self.heads:], v, self.scale)
+            x = self.after_attention(i, x, out.reshape(x.shape[0], -1))
+        x = x.index_select(0, keep) if keep.shape[0] != x.shape[0] else x
+        return F.linear(_rms_norm(x, self.final_norm, self.final_eps), self.lm_head)
 
     def _rotary(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [≥ end, head_dim] (see :func:`_rope`), from the model's
+        """cos and signed sin [>= end, head_dim] (see :func:`_rope`), from the model's
         own rotary module."""
         if self._cos is None or self._cos.shape[0] < end:
             current = 0 if self._cos is None else self._cos.shape[0]
@@ -176,51 +158,6 @@ class LeanLlama:
             half = self.head_dim // 2
             self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         return self._cos, self._sin
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int) -> torch.Tensor:
-        """Run ``input_ids`` [1, n] after the cached positions, appending their keys
-        and values to ``cache``; return logits [logits_to_keep, V] for the last
-        positions (what ``kv_cache.forward`` returns for Hugging Face's pass)."""
-        return self.forward_batch([BatchRow(input_ids[0].tolist(), cache, logits_to_keep)])[0]
-
-    @torch.inference_mode()
-    def forward_batch(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        """One pass over a ragged batch: each row's new tokens after its own cached
-        positions, appended to its own cache. Returns each row's logits
-        [logits_to_keep, V] for its last positions.
-
-        Every token of every row goes through the projections and the MLP together
-        ([T, hidden] with T the batch's new tokens: where a batch saves time, since
-        the weights are read once); attention runs row by row, against the row's
-        own cache where it lies. A batch of one row is the unbatched pass."""
-        spans = []  # (first flat index, start position, new tokens) per row
-        flat: list[int] = []
-        for row in rows:
-            start = row.cache.length
-            row.cache.reserve(start + len(row.tokens), self.max_positions)
-            spans.append((len(flat), start, len(row.tokens)))
-            flat += row.tokens
-        total = len(flat)
-        cos, sin = self._rotary(max(start + n for _, start, n in spans))
-        # one angle per token, broadcast over heads: [T, 1, head_dim]
-        cos = _rows(cos, [(start, n) for _, start, n in spans])[:, None]
-        sin = _rows(sin, [(start, n) for _, start, n in spans])[:, None]
-        x = F.embedding(torch.tensor(flat, device=self.embed.device), self.embed)  # [T, hidden]
-        layers = (self.graphs and self.graphs.for_tokens(total)) or EagerLayers(self)
-        layers.start(x, cos, sin)
-        for i in range(len(self.layers)):
-            qk, v = layers.before_attention(i)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            out = [self._attend(i, row.cache, q, k, v, span) for row, span in zip(rows, spans, strict=True)]
-            layers.after_attention(i, out[0] if len(out) == 1 else torch.cat(out))
-        for row, (_, start, n) in zip(rows, spans, strict=True):
-            row.cache.length = start + n
-        x = layers.x
-        kept = _rows(x, [(first + n - row.logits_to_keep, row.logits_to_keep)
-                         for row, (first, _, n) in zip(rows, spans, strict=True)])
-        logits = F.linear(_rms_norm(kept, self.final_norm, self.final_eps), self.lm_head)
-        return list(logits.split([row.logits_to_keep for row in rows]))
 
     def before_attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,75 +175,12 @@ class LeanLlama:
         gate, up = (_rms_norm(x, w.post_norm, w.eps) @ w.gate_up).chunk(2, dim=-1)
         return torch.addmm(x, F.silu(gate) * up, w.down)  # x + mlp
 
-    def _attend(self, layer: int, cache: LeanCache, q, k, v, span: tuple[int, int, int]) -> torch.Tensor:
-        """One row's attention in one layer: its new keys and values [n, kv_heads,
-        head_dim] written into its cache, its queries against every position up to
-        each; returns [n, heads * head_dim]."""
-        first, start, n = span
-        end = start + n
-        cache.keys[layer, :, start:end] = k[first:first + n].transpose(0, 1)
-        cache.values[layer, :, start:end] = v[first:first + n].transpose(0, 1)
-        # A new token at position start+i sees every cached position and the new
-        # ones up to itself: causal when nothing is cached, an offset mask when
-        # something is, none for one token alone.
-        mask = None
-        if n > 1 and start:
-            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        keys, values = cache.keys[layer, :, :end], cache.values[layer, :, :end]
-        # With a mask, SDPA's fused CUDA kernels take grouped K/V only repeated
-        # out (as Hugging Face does); without one they take them as they are.
-        groups = self.heads // self.kv_heads if mask is not None else 1
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(
-            q[first:first + n].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-            is_causal=n > 1 and not start, enable_gqa=keys.shape[0] != self.heads,
-        )[0]  # [heads, n, head_dim]
-        return out.transpose(0, 1).reshape(n, -1)
-
-
-class EagerLayers:
-    """A pass's per-layer work around attention, each operation launched as it
-    comes (:class:`specdec.models.cuda_graphs.LayerGraphs` replays recordings of
-    the same work instead). ``x`` is the residual stream [T, hidden]."""
-
-    def __init__(self, lean: LeanLlama):
-        self.lean = lean
-
-    def start(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.x, self.cos, self.sin = x, cos, sin
-
-    def before_attention(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.lean.before_attention(layer, self.x, self.cos, self.sin)
-
-    def after_attention(self, layer: int, attention: torch.Tensor) -> None:
-        self.x = self.lean.after_attention(layer, self.x, attention)
-
-
-@dataclasses.dataclass
-class BatchRow:
-    """One sequence's part of a batched pass: the ``tokens`` to run after what
-    ``cache`` holds, and how many of the last positions' logits to return."""
-
-    tokens: list[int]
-    cache: LeanCache
-    logits_to_keep: int
-
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
-
-
-def _rows(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The rows [start, start + n) of ``x`` for each (start, n), in order: a view
-    when there is one range (a pass of one session), else a copy."""
-    if len(ranges) == 1:
-        start, n = ranges[0]
-        return x[start:start + n]
-    return torch.cat([x[start:start + n] for start, n in ranges])
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

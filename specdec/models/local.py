@@ -52,6 +52,17 @@ def result_alone(runner: ModelRunner, steps: Steps) -> Any:
     raise RuntimeError("these steps draft tokens: iterate run_alone() instead")
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftRule:
+    """How the draft samples, beyond the request's SamplingParams: from the top
+    ``top_k`` of q (0: all of it), among the first ``vocab`` ids only (0: all
+    of them) -- the ids the target holds too, when their vocabularies differ
+    in padding rows. q is exactly what is sampled from either way."""
+
+    top_k: int = 0
+    vocab: int = 0
+
+
 def draft_steps(
     runner: ModelRunner,
     seq: DraftSequence,
@@ -59,17 +70,17 @@ def draft_steps(
     new_tokens: list[int],
     gamma: int,
     params: SamplingParams,
-    draft_top_k: int = 0,
+    rule: DraftRule = DraftRule(),
 ) -> Steps:
     """Roll ``seq`` back to ``position``, append ``new_tokens``, then sample
     ``gamma`` tokens one by one, yielding each with the distribution it was
-    sampled from (truncated to the top ``draft_top_k`` when > 0). Returns how
-    many drafts made ahead it reused.
+    sampled from (see :class:`DraftRule`). Returns how many drafts made ahead
+    it reused.
 
     Drafts that :func:`draft_ahead_steps` made since the last call and that this
     call would make again are yielded without running the model."""
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
-    reused = ahead.reusable(seq, position, new_tokens, gamma, params, draft_top_k) if ahead else []
+    reused = ahead.reusable(seq, position, new_tokens, gamma, params, rule) if ahead else []
     if reused:  # seq already holds new_tokens and the reused drafts after position
         held = position + len(new_tokens) + len(reused)
         runner.rollback(seq, held)
@@ -81,30 +92,32 @@ def draft_steps(
             runner.uncache(seq, ahead.cached)
         seq.tokens.extend(new_tokens)
     for _ in range(gamma - len(reused)):
-        yield (yield from draft_one(runner, seq, params, draft_top_k))
+        yield (yield from draft_one(runner, seq, params, rule))
     return len(reused)
 
 
 def draft_tokens(runner: ModelRunner, seq: DraftSequence, position: int, new_tokens: list[int], gamma: int,
-                 params: SamplingParams, draft_top_k: int = 0) -> Iterator[DraftToken]:
+                 params: SamplingParams, rule: DraftRule = DraftRule()) -> Iterator[DraftToken]:
     """:func:`draft_steps` with each pass run alone: the drafts, as they are made."""
-    return run_alone(runner, draft_steps(runner, seq, position, new_tokens, gamma, params, draft_top_k))
+    return run_alone(runner, draft_steps(runner, seq, position, new_tokens, gamma, params, rule))
 
 
-def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, draft_top_k: int,
+def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, rule: DraftRule,
               run: int = 1) -> Steps:
     """Sample the token after ``seq``, append it and return it. The draw is a pure
-    function of (the tokens before it, params, seed, k): the seed's uniform for
-    this position. ``run``: run at least the last ``run`` tokens, cached or not
-    (see :func:`draft_ahead_steps`)."""
+    function of (the tokens before it, params, seed, rule): the seed's uniform
+    for this position. ``run``: run at least the last ``run`` tokens, cached or
+    not (see :func:`draft_ahead_steps`)."""
     logits = (yield Pass(seq, 1, run))[0]
+    if rule.vocab:
+        logits = logits[:rule.vocab]  # q over the ids the target holds too: exactly restricted
     if params.greedy:
         token, q = int(logits.argmax()), None
     else:
         q = process_logits(logits, params)
         u = uniform(params.seed, len(seq.tokens), STREAM_DRAFT)
-        if draft_top_k > 0:
-            q = truncate_top_k(q, draft_top_k)
+        if rule.top_k > 0:
+            q = truncate_top_k(q, rule.top_k)
             token = int(q.ids[sample(q.probs, u)])
         else:
             token = sample(q, u)
@@ -128,17 +141,17 @@ def new_draft_sequence(runner: ModelRunner) -> DraftSequence:
 class DraftsAhead:
     """What :func:`draft_ahead` made: ``drafts`` are ``seq.tokens[start:]``, the
     first of them the guess at the target's next token, drafted with ``params``
-    and ``draft_top_k``; the KV cache held ``cached`` positions before.
+    and ``rule``; the KV cache held ``cached`` positions before.
     """
 
     start: int
     cached: int
     drafts: list[DraftToken]
     params: SamplingParams
-    draft_top_k: int
+    rule: DraftRule
 
     def reusable(self, seq: Sequence, position: int, new_tokens: list[int], gamma: int,
-                 params: SamplingParams, draft_top_k: int) -> list[DraftToken]:
+                 params: SamplingParams, rule: DraftRule) -> list[DraftToken]:
         """The drafts (up to ``gamma``) this request would make, if they were made
         ahead: only for the round bet on -- the request continues from the drafts
         the sequence held with one new token, the target's, equal to the guess.
@@ -148,7 +161,7 @@ class DraftsAhead:
         model in the same passes as a fresh request runs them, so they are
         bit-identical to the ones this request would make, q included."""
         first = position + len(new_tokens)  # where the first requested draft lands
-        if (params != self.params or draft_top_k != self.draft_top_k or len(self.drafts) < 2
+        if (params != self.params or rule != self.rule or len(self.drafts) < 2
                 or not new_tokens or first != self.start + 1 or position < self.cached
                 or seq.tokens[position:first] != list(new_tokens)):
             return []
@@ -163,7 +176,7 @@ def held_tokens(seq: DraftSequence) -> int:
     return ahead.start if ahead is not None else len(seq.tokens)
 
 
-def draft_ahead_steps(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int,
+def draft_ahead_steps(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, rule: DraftRule,
                       count: int, stop: Callable[[], bool]) -> Steps:
     """Keep drafting after ``seq`` up to ``count`` tokens, as if the target will
     accept every draft and pick the draft's own next token (the guess) after
@@ -179,17 +192,17 @@ def draft_ahead_steps(runner: ModelRunner, seq: DraftSequence, params: SamplingP
     guess comes from one pass over those tokens and the guess."""
     start, cached = len(seq.tokens), seq.cache_length
     drafts: list[DraftToken] = []
-    seq.ahead = DraftsAhead(start, cached, drafts, params, draft_top_k)
+    seq.ahead = DraftsAhead(start, cached, drafts, params, rule)
     while len(drafts) < count and len(seq.tokens) < runner.max_context and not stop():
         run = start - cached + 1 if len(drafts) == 1 else 1
-        drafts.append((yield from draft_one(runner, seq, params, draft_top_k, run)))
+        drafts.append((yield from draft_one(runner, seq, params, rule, run)))
     return len(drafts)
 
 
-def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, draft_top_k: int, count: int,
+def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, rule: DraftRule, count: int,
                 stop: Callable[[], bool]) -> int:
     """:func:`draft_ahead_steps`, each pass run alone."""
-    return result_alone(runner, draft_ahead_steps(runner, seq, params, draft_top_k, count, stop))
+    return result_alone(runner, draft_ahead_steps(runner, seq, params, rule, count, stop))
 
 
 def verify_steps(
@@ -254,10 +267,10 @@ class LocalProposer:
     runner: ModelRunner
     seq: DraftSequence
 
-    draft_top_k: int = 0  # under sampling, draft from the top-k of q (0: all of it)
+    rule: DraftRule = DraftRule()
 
     def propose(self, position, new_tokens, gamma, params):
-        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, self.draft_top_k)
+        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, self.rule)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,11 @@
-"""Loading a causal LM from a local directory and running it over a growing,
-rewindable token sequence with a KV cache."""
+"""Loading a causal LM from a local directory and running it over growing,
+rewindable token sequences, many in one batched forward pass, each with its
+keys and values in the model's paged KV store."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import pathlib
@@ -11,8 +13,10 @@ import pathlib
 import torch
 
 from specdec.core.vocabulary import check_token_ids
-from specdec.models import kv_cache
-from specdec.models.lean_llama import BatchRow, LeanLlama, unsupported_reason
+from specdec.models import lean_llama
+from specdec.models.attention import BatchRow
+from specdec.models.batched import BatchedModel, UnsupportedModel, architecture, check_config
+from specdec.models.paged_kv import KVExhausted, PagedCache
 from specdec.models.tokenizer import load_tokenizer, vocabulary_fingerprint
 
 # Never reach for a hub: models come from local directories only.
@@ -21,8 +25,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # On a CUDA device, passes of up to this many tokens replay CUDA graphs of the
-# lean forward's per-layer work (specdec.models.cuda_graphs): decoding batches.
+# whole pass (specdec.models.cuda_graphs): decoding batches.
 GRAPH_TOKENS = 256
+# Positions per KV block: FlashAttention's paged kernel wants 256 on CUDA.
+BLOCK_SIZE = {"cuda": 256}
+DEFAULT_BLOCK_SIZE = 16
+# The KV budget of a runner not given one (the in-process decoder's): this many
+# sequences of the model's whole context (grown on demand off CUDA).
+IN_PROCESS_SEQUENCES = 8
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +44,11 @@ class Sequence:
     run through the model)."""
 
     tokens: list[int]
-    cache: object
+    cache: PagedCache
 
     @property
     def cache_length(self) -> int:
-        return kv_cache.cache_length(self.cache)
+        return self.cache.length
 
 
 @dataclasses.dataclass
@@ -54,18 +64,37 @@ class Pass:
     ran: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSettings:
+    """How a runner stores keys and values (:mod:`specdec.models.paged_kv`).
+
+    ``tokens``: the budget in positions (0: IN_PROCESS_SEQUENCES whole
+    contexts); on CUDA at most what ``memory_fraction`` of the device's free
+    memory holds. ``block_size`` 0: the device's default.
+    ``keep_behind``: how deep a rollback keeps a sliding window's blocks.
+    ``kernel``: ``padded`` | ``varlen`` | None (the device's default)."""
+
+    tokens: int = 0
+    block_size: int = 0
+    memory_fraction: float = 0.8
+    keep_behind: int = 64
+    kernel: str | None = None
+
+
 class ModelRunner:
     """A Hugging Face causal LM on one device, with its tokenizer when it has one.
 
-    ``lean=True`` runs a Llama-architecture model through specdec.models.lean_llama:
-    the same weights with less Python per token, and several sequences in one
-    pass (:meth:`run_passes`), on a CUDA device through CUDA graphs unless
-    ``cuda_graphs=False``. Other models keep Hugging Face's forward, with a log
-    line saying why."""
+    Every model runs through :class:`specdec.models.batched.BatchedModel`:
+    several sequences in one pass (:meth:`run_passes`), keys and values in one
+    paged store. ``lean=True`` runs a plain Llama's layers through
+    :mod:`specdec.models.lean_llama` (less Python per token, the same store and
+    attention); on a CUDA device decode-sized passes replay CUDA graphs unless
+    ``cuda_graphs=False``. A model that cannot run batched is refused here
+    (:class:`UnsupportedModel`, a ValueError naming the architecture and why)."""
 
     def __init__(self, path: str | os.PathLike, device: str = "cpu", dtype: str = "float32", *,
-                 lean: bool = False, cuda_graphs: bool = True):
-        from transformers import AutoModelForCausalLM
+                 lean: bool = False, cuda_graphs: bool = True, kv: KVSettings | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -76,40 +105,59 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = parse_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=DTYPES[dtype], local_files_only=True
-        ).to(self.device)
-        self.model.eval()
-        self.forward_model: torch.nn.Module | LeanLlama = self.model  # what kv_cache.forward runs
+        config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        check_config(config)  # before loading any weights
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], local_files_only=True)
+        except ValueError as e:  # no causal-LM class for this config
+            raise UnsupportedModel(f"model_type {config.model_type!r} cannot be served: {e}") from None
+        self.model = model.to(self.device).eval()
+        self.max_context: int = getattr(model.config, "max_position_embeddings", None) or 2048
+        kv = kv or KVSettings()
+        self.forward = BatchedModel(
+            self.model, max_tokens=kv.tokens or IN_PROCESS_SEQUENCES * self.max_context,
+            memory_fraction=kv.memory_fraction, kernel=kv.kernel,
+            block_size=block_size_for(self.device, kv.block_size),
+            keep_behind=kv.keep_behind)
         if lean:
-            reason = unsupported_reason(self.model)
+            reason = lean_llama.unsupported_reason(self.model)
             if reason is None:
-                graphs = cuda_graphs and self.device.type == "cuda"
-                self.forward_model = LeanLlama(self.model, graph_tokens=GRAPH_TOKENS if graphs else 0)
+                self.forward.lean = lean_llama.LeanLlama(self.model)
             else:
-                log.info("%s runs Hugging Face's forward, not the lean one: %s", self.path, reason)
+                log.info("%s runs its own modules, not the lean Llama layers: %s", self.path, reason)
+        if cuda_graphs and self.device.type == "cuda":
+            self.forward.record_graphs(GRAPH_TOKENS)
         self.tokens_run = 0  # tokens through the model, for metrics
         config = self.model.config
         self.vocab_size: int = config.vocab_size
-        self.max_context: int = getattr(config, "max_position_embeddings", None) or 2048
         self.tokenizer = load_tokenizer(self.path)
         self.eos_token_ids: set[int] = _eos_ids(config, self.tokenizer)
+        # What a draft runs in place of an id only its target holds (a row of
+        # the target's padding): the drafts that follow are a worse guess, never
+        # a wrong output, since q is exactly what they were sampled from.
+        pad = getattr(config, "pad_token_id", None)
+        self.placeholder_id: int = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self.fingerprint: str = vocabulary_fingerprint(self.path, self.vocab_size)
+        self.architecture = architecture(self.model)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Device memory one token of one session's KV cache takes: keys and values
+        """Device memory one position of one session's KV takes: keys and values
         of every layer."""
-        config = self.model.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        element = self.model.get_input_embeddings().weight.element_size()
-        return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+        return self.forward.kv.bytes_per_token
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.forward.kv.block_size
+
+    @property
+    def kv_capacity(self) -> int:
+        """Positions the KV store holds per group (the budget, in whole blocks)."""
+        return self.forward.kv.max_tokens
 
     @property
     def lean(self) -> bool:
-        return isinstance(self.forward_model, LeanLlama)
+        return self.forward.lean is not None
 
     @property
     def name(self) -> str:
@@ -118,9 +166,10 @@ class ModelRunner:
     def new_sequence(self) -> Sequence:
         return Sequence(tokens=[], cache=self.new_cache())
 
-    def new_cache(self) -> object:
-        """An empty KV cache for one sequence of this model."""
-        return kv_cache.new_cache(self.forward_model)
+    def new_cache(self) -> PagedCache:
+        """An empty KV cache for one sequence of this model (its blocks go back
+        to the pool when it is garbage collected)."""
+        return self.forward.new_cache()
 
     def rollback(self, seq: Sequence, position: int) -> None:
         """Keep the first ``position`` tokens (and at most that much cache)."""
@@ -133,7 +182,7 @@ class ModelRunner:
         """Keep at most the first ``keep`` positions in the KV cache; the tokens
         stay, and the next pass runs the rest."""
         if seq.cache_length > keep:
-            kv_cache.crop_cache(seq.cache, keep)
+            self.forward.kv.crop(seq.cache, keep)
 
     def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         """Run the pending tokens; return float32 logits [last, V] predicting the
@@ -146,22 +195,23 @@ class ModelRunner:
 
     @property
     def batched(self) -> bool:
-        """Whether :meth:`run_passes` runs several sequences in one forward pass
-        (the lean forward), rather than one after another."""
-        return self.lean
+        """Whether :meth:`run_passes` may run several sequences in one forward
+        pass (not for rotary scalings that depend on the sequence's length)."""
+        return self.forward.batched
 
     @torch.inference_mode()
     def run_passes(self, passes: list[Pass]) -> list[torch.Tensor]:
-        """:meth:`logits` for several sequences (distinct ones), in one forward pass
-        where the model runs through the lean forward, else one pass each."""
+        """:meth:`logits` for several sequences (distinct ones), in one forward pass."""
         rows = [self._pending(p) for p in passes]
         self.tokens_run += sum(len(ids) for ids in rows)
-        if self.lean:
-            batch = [BatchRow(ids, p.seq.cache, p.last) for ids, p in zip(rows, passes, strict=True)]
-            logits = self.forward_model.forward_batch(batch)
-        else:
-            logits = [kv_cache.forward(self.forward_model, torch.tensor([ids], dtype=torch.long, device=self.device),
-                                       p.seq.cache, logits_to_keep=p.last) for ids, p in zip(rows, passes, strict=True)]
+        if any(max(ids) >= self.vocab_size for ids in rows):  # the target's own ids a draft lacks
+            rows = [[t if t < self.vocab_size else self.placeholder_id for t in ids] for ids in rows]
+        batch = [BatchRow(ids, p.seq.cache, p.last) for ids, p in zip(rows, passes, strict=True)]
+        try:
+            logits = self.forward.forward_batch(batch)
+        except KVExhausted:
+            gc.collect()  # caches of dropped sequences in reference cycles give their blocks back
+            logits = self.forward.forward_batch(batch)
         return [out.float() for out in logits]
 
     def pass_tokens(self, p: Pass) -> int:
@@ -180,7 +230,7 @@ class ModelRunner:
             )
         start = min(seq.cache_length, len(seq.tokens) - max(p.last, p.run))
         if start < seq.cache_length:
-            kv_cache.crop_cache(seq.cache, start)
+            start = self.forward.kv.crop(seq.cache, start)  # 0 where a sliding window must be run again
         p.ran = len(seq.tokens) - start
         return seq.tokens[start:]
 
@@ -206,6 +256,11 @@ def parse_device(device: str | torch.device) -> torch.device:
         if available is None or not available():
             raise ValueError(f"device {device}: {parsed.type} is not available here (torch {torch.__version__})")
     return parsed
+
+
+def block_size_for(device: str | torch.device, requested: int = 0) -> int:
+    """Positions per KV block: ``requested``, or the device's default."""
+    return requested or BLOCK_SIZE.get(torch.device(device).type, DEFAULT_BLOCK_SIZE)
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

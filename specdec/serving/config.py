@@ -148,9 +148,20 @@ class ServiceConfig(BaseServiceConfig):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
     max_sessions: int = Field(256, gt=0, description="sessions held before LRU eviction")
     max_cached_tokens: int = Field(
-        1_000_000, gt=0, description="KV budget: tokens held over all sessions. Idle sessions are evicted, least "
-        "recently used first, to stay within it; a call that would exceed it with every session in use is "
-        "refused RESOURCE_EXHAUSTED")
+        1_000_000, gt=0, description="KV budget: tokens held over all sessions, counted in whole KV blocks. Idle "
+        "sessions are evicted, least recently used first, to stay within it; a call that would exceed it with "
+        "every session in use is refused RESOURCE_EXHAUSTED. On a CUDA device, no more than --kv-memory-fraction "
+        "of the memory left free after loading the model holds")
+    kv_memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="on a CUDA device, the share of the memory free after loading the model "
+        "that the KV pool takes (allocated at start-up); the budget is the smaller of this and "
+        "--max-cached-tokens", json_schema_extra={"metavar": "FRACTION"})
+    kv_block_size: int = Field(
+        0, ge=0, description="positions per KV block (0: 256 on CUDA, as FlashAttention's paged kernel wants, "
+        "16 elsewhere)", json_schema_extra={"metavar": "N"})
+    attention_kernel: Literal["auto", "padded", "varlen"] = Field(
+        "auto", description="attention over the paged KV: varlen (FlashAttention's paged kernel, CUDA only), "
+        "padded (keys gathered per pass, any device) or auto (varlen on CUDA)")
     max_batch: int = Field(
         32, gt=0, description="sessions per forward pass (continuous batching; 1: one session at a time, "
         "as without batching)", json_schema_extra={"metavar": "N"})
@@ -162,9 +173,9 @@ class ServiceConfig(BaseServiceConfig):
         json_schema_extra={"flag": "--session-ttl", "metavar": "SECONDS"})
     gamma_max: int = Field(64, ge=0, description="largest gamma / number of drafts accepted per call")
     cuda_graphs: bool = Field(
-        True, description="on a CUDA device, replay CUDA graphs of the lean forward's per-layer work, recorded "
-        "at load for decoding-sized passes (one launch instead of a dozen per layer); off: every kernel launched "
-        "as it comes")
+        True, description="on a CUDA device, replay CUDA graphs of whole decoding-sized passes (up to 256 "
+        "tokens), attention included, recorded at load (one launch instead of a dozen per layer); off: every "
+        "kernel launched as it comes")
 
     def model_path(self) -> str:
         """The model directory to serve: ``model`` or the bundled one."""
@@ -187,9 +198,9 @@ class DraftConfig(ServiceConfig):
         True, description="while the target verifies, draft the next round as if all drafts are accepted "
         "(reused when they are; the output never changes)")
     lean_forward: bool = Field(
-        True, description="run a Llama-architecture draft through specdec's lean forward pass, which batches "
-        "sessions, instead of Hugging Face's (same weights, less Python per token; the output's distribution "
-        "never changes, though one seed's sampled tokens follow q to the last bit)")
+        True, description="run a plain Llama draft's layers with specdec's lean tensor ops instead of its own "
+        "modules (same weights, store and attention, less Python per token; the output's distribution never "
+        "changes, though one seed's sampled tokens follow q to the last bit)")
 
 
 class TargetConfig(ServiceConfig):
@@ -197,9 +208,9 @@ class TargetConfig(ServiceConfig):
 
     port: int = Field(50053, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
     lean_forward: bool = Field(
-        True, description="run a Llama-architecture target through specdec's lean forward pass, which batches "
-        "sessions (same weights; logits equal Hugging Face's to float rounding, so a greedy near-tie can break "
-        "the other way); off: Hugging Face's forward, one session per pass")
+        True, description="run a plain Llama target's layers with specdec's lean tensor ops instead of its own "
+        "modules (same weights, store and attention, less Python per token; logits equal to float rounding, so "
+        "a greedy near-tie can break the other way)")
 
 
 class CoordinatorConfig(BaseServiceConfig):
@@ -220,7 +231,7 @@ class CoordinatorConfig(BaseServiceConfig):
     port: int = Field(50051, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
     tokenizer: str | None = Field(
         None, description="tokenizer directory for text prompts, text deltas and stop strings (default: the "
-        "bundled target model's tokenizer); 'none', or no tokenizer at all: only prompt_ids work",
+        "target service's own, fetched from it); 'none', or a target without one: only prompt_ids work",
         json_schema_extra={"metavar": "DIR", **ROLE_ONLY})
     max_new_tokens_cap: int = Field(4096, gt=0, description="largest max_new_tokens a request may ask for")
     max_sessions: int = Field(

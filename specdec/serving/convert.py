@@ -5,8 +5,9 @@ here once:
 
 * ``SamplingParams``: proto ``top_p`` unset -> 1.0; ``seed`` unset -> None.
 * ``Distribution``: float32 little-endian bytes. Dense: ``ids`` empty, one value
-  per vocabulary entry. Sparse (the draft's truncated top-k): ``probs[j]`` is the
-  probability of ``ids[j]``. Decoding is one ``np.frombuffer`` and validates what
+  per vocabulary entry from id 0 (the ids past the last have probability 0).
+  Sparse (the draft's truncated top-k): ``probs[j]`` is the probability of
+  ``ids[j]``. Decoding is one ``np.frombuffer`` and validates what
   the lossless acceptance test relies on (right length, finite, non-negative, ids
   inside the vocabulary and unique).
 * ``DraftToken``, ``Verdict`` (``VerifyResponse``) and ``ServerTiming``.
@@ -100,7 +101,9 @@ _SUM_TOLERANCE = 1e-3
 def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: str = "distribution") -> Distribution:
     """Distribution -> dense float32 tensor [V] or SparseDist (on the CPU).
 
-    With ``vocab_size`` the ids / dense length are checked against it."""
+    With ``vocab_size`` the ids / dense length are checked against it: a dense
+    distribution may be shorter (it covers the first ids, the others have
+    probability 0: a draft that holds fewer rows than its target), not longer."""
     import torch
 
     from specdec.core.sampling import SparseDist
@@ -120,7 +123,7 @@ def dist_from_proto(msg: pb.Distribution, vocab_size: int | None = None, what: s
         raise InvalidRequest(f"{what}: all probabilities are 0")
     probs = torch.from_numpy(values)
     if len(msg.ids) == 0:
-        if vocab_size is not None and n != vocab_size:
+        if vocab_size is not None and n > vocab_size:
             raise InvalidRequest(f"{what}: dense distribution has {n} values, the vocabulary has {vocab_size}")
         _check_sum(values, what)
         return probs
@@ -145,13 +148,14 @@ def _check_sum(values: np.ndarray, what: str) -> None:
 
 
 def dist_prob(q: Distribution, token: int) -> float:
-    """q(token) for a dense or sparse distribution (unnormalised, as sent)."""
+    """q(token) for a dense or sparse distribution (unnormalised, as sent); 0
+    for an id past a dense q's last."""
     from specdec.core.sampling import SparseDist
 
     if isinstance(q, SparseDist):
         hit = (q.ids == token).nonzero()
         return float(q.probs[hit[0, 0]]) if hit.numel() else 0.0
-    return float(q[token])
+    return float(q[token]) if 0 <= token < q.shape[0] else 0.0
 
 
 # ------------------------------------------------------------------ draft tokens
@@ -206,10 +210,12 @@ def propose_request(
     gamma: int,
     params: SamplingParams,
     draft_top_k: int = 0,
+    target_vocab_size: int = 0,
 ) -> pb.ProposeRequest:
     return pb.ProposeRequest(
         session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
         gamma=gamma, sampling=sampling_to_proto(params), draft_top_k=draft_top_k,
+        target_vocab_size=target_vocab_size,
     )
 
 

@@ -14,6 +14,7 @@ SessionNotFound             NOT_FOUND
 PositionMismatch            FAILED_PRECONDITION
 FailedPrecondition          FAILED_PRECONDITION
 ResourceExhausted           RESOURCE_EXHAUSTED
+MemoryError (a KV pool's)   RESOURCE_EXHAUSTED
 Unauthenticated             UNAUTHENTICATED
 PermissionDenied            PERMISSION_DENIED
 Draining, Unavailable       UNAVAILABLE
@@ -50,6 +51,12 @@ class InvalidRequest(SpecdecError, ValueError):
 class SessionNotFound(SpecdecError):
     """The service holds no such session (never started, ended, evicted or expired).
     The caller re-pre-fills it from its own token history with position 0."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class NotFound(SpecdecError):
+    """What the request asks for does not exist here (e.g. a model's tokenizer)."""
 
     code = grpc.StatusCode.NOT_FOUND
 
@@ -126,6 +133,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, MemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "out of memory"
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -30,12 +30,14 @@ import torch
 
 from specdec.core.interfaces import DraftToken, SamplingParams
 from specdec.core.sampling import SparseDist
+from specdec.core.vocabulary import check_token_ids
 from specdec.models.local import Steps
-from specdec.models.runner import ModelRunner, Sequence
+from specdec.models.runner import KVSettings, ModelRunner, Sequence, block_size_for
+from specdec.models.tokenizer import tokenizer_files
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.config import CONFIG_CLASSES, ServiceConfig
-from specdec.serving.errors import Draining, InvalidRequest, Unavailable
+from specdec.serving.errors import Draining, InvalidRequest, NotFound, Unavailable
 from specdec.serving.names import MAX_SERVICE_NAME_LEN, check_name
 from specdec.serving.scheduler import PassScheduler
 from specdec.serving.server import (
@@ -58,6 +60,8 @@ SERVICE_NAMES = {"draft": DRAFT_SERVICE, "target": TARGET_SERVICE}
 # A session with a call this recent is taken to be in the middle of a generation
 # (its calls come one round apart: milliseconds, or a few round trips).
 GENERATION_GAP_S = 2.0
+# GetTokenizer's pieces: well inside any gRPC message limit.
+TOKENIZER_CHUNK = 1 << 20
 
 
 class ModelHost:
@@ -85,14 +89,23 @@ class ModelHost:
         checks meanwhile), then open the session store."""
         cfg = self.config
         if runner is None:
+            block = block_size_for(cfg.device, cfg.kv_block_size)
+            kv = KVSettings(tokens=cfg.max_cached_tokens + self.kv_headroom(block), block_size=block,
+                            memory_fraction=cfg.kv_memory_fraction, keep_behind=2 * cfg.gamma_max + 8,
+                            kernel=None if cfg.attention_kernel == "auto" else cfg.attention_kernel)
             runner = await asyncio.get_running_loop().run_in_executor(
                 self.executor,
                 functools.partial(ModelRunner, cfg.model_path(), cfg.device, cfg.dtype, lean=cfg.lean_forward,
-                                  cuda_graphs=cfg.cuda_graphs),
+                                  cuda_graphs=cfg.cuda_graphs, kv=kv),
             )
+        budget = min(cfg.max_cached_tokens, runner.kv_capacity - self.kv_headroom(runner.kv_block_size))
+        if budget < runner.kv_block_size:
+            raise ValueError(f"the {cfg.role} model's KV pool holds {runner.kv_capacity} positions, too few for "
+                             f"{self.kv_headroom(runner.kv_block_size)} positions of drafting ahead and any session: "
+                             "lower --max-sessions or --gamma-max, or raise --kv-memory-fraction")
         if cfg.max_batch > 1 and not runner.batched:
-            log.info("%s service: one session per forward pass (%s runs Hugging Face's forward%s)", cfg.role,
-                     runner.name, "" if cfg.lean_forward else ": --no-lean-forward")
+            log.info("%s service: one session per forward pass (%s's rotary embedding depends on the sequence "
+                     "length)", cfg.role, runner.name)
         metrics = self.metrics
         self.scheduler = PassScheduler(
             runner, max_sequences=cfg.max_batch, max_tokens=cfg.max_batch_tokens, name=cfg.role,
@@ -101,12 +114,21 @@ class ModelHost:
         self.sessions = SessionStore(
             functools.partial(self.new_state, runner),
             max_sessions=self.config.max_sessions,
-            max_cached_tokens=self.config.max_cached_tokens,
+            max_cached_tokens=budget,
             ttl_s=self.config.session_ttl_s,
             size=self.state_size,
+            granule=runner.kv_block_size,
         )
         self.runner = runner
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
+
+    def kv_headroom(self, block_size: int) -> int:
+        """KV positions beyond the budget that drafting ahead may hold (draft
+        service: at most γ + 3 per session, in whole blocks); 0 for the target."""
+        cfg = self.config
+        if cfg.role != "draft" or not getattr(cfg, "draft_ahead", False):
+            return 0
+        return cfg.max_sessions * (-(-(cfg.gamma_max + 3) // block_size) + 1) * block_size
 
     async def _sweep_forever(self) -> None:
         """Expire idle sessions even when no call arrives to trigger it."""
@@ -154,7 +176,9 @@ class ModelHost:
         def finished(future: concurrent.futures.Future) -> None:
             if not future.cancelled() and future.exception() is not None:
                 e = future.exception()
-                log.error("background work on the %s model failed: %s: %s", self.config.role, type(e).__name__, e)
+                # a full KV pool only ends drafting ahead early: it is a bet, not a call
+                log.log(logging.DEBUG if isinstance(e, MemoryError) else logging.ERROR,
+                        "background work on the %s model failed: %s: %s", self.config.role, type(e).__name__, e)
             if self.metrics is not None:
                 self.metrics.observe_timing(timing)
 
@@ -199,12 +223,14 @@ class ModelHost:
         gamma: int,
         gamma_field: str = "gamma",
         decode: int = 0,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         """Validate what every round request carries; return its sampling params.
 
         ``gamma`` is how many tokens the call adds after ``new_tokens`` (drafted
         here, or drafts to verify); ``decode``, how many the target decodes after
-        its verdict (``decode_tokens``)."""
+        its verdict (``decode_tokens``); ``vocab_size``, the ids ``new_tokens``
+        may hold (default: the model's)."""
         runner = self.require_ready()
         if not session_id:
             raise InvalidRequest("session_id is empty")
@@ -221,7 +247,10 @@ class ModelHost:
             )
         if position + len(new_tokens) == 0:
             raise InvalidRequest("nothing to run: position is 0 and new_tokens is empty (empty prompt?)")
-        self.check_vocab(list(new_tokens), "new_tokens")
+        try:
+            check_token_ids(new_tokens, vocab_size or runner.vocab_size, "new_tokens")
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         params = pc.sampling_from_proto(sampling)
         if not params.greedy and params.seed is None:
             raise InvalidRequest("sampling.seed is required when temperature > 0 (both services derive "
@@ -254,8 +283,23 @@ class ModelHost:
             cached_tokens=stats.cached_tokens,
             gamma_max=self.config.gamma_max,
             kv_bytes_per_token=runner.kv_bytes_per_token,
-            kv_budget_tokens=self.config.max_cached_tokens,
+            kv_budget_tokens=self.sessions.max_cached_tokens,
+            architecture=runner.architecture,
+            kv_block_size=runner.kv_block_size,
+            has_tokenizer=bool(tokenizer_files(runner.path)),
         )
+
+    async def tokenizer_chunks(self):
+        """(file name, bytes) pieces of the model's tokenizer files, each at most
+        TOKENIZER_CHUNK bytes, read off the event loop; NotFound when it has none."""
+        runner = self.require_ready()
+        files = tokenizer_files(runner.path)
+        if not files:
+            raise NotFound(f"the {self.config.role} model {runner.name} has no tokenizer files")
+        for path in files:
+            data = await asyncio.to_thread(path.read_bytes)
+            for start in range(0, max(1, len(data)), TOKENIZER_CHUNK):
+                yield path.name, data[start:start + TOKENIZER_CHUNK]
 
     def end_session(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:
         self.require_ready()
@@ -359,9 +403,11 @@ async def start_model_service(
         r = host.runner
         log.info("serving %s model %s (vocab %d, context %d, %s) on %s at %s:%d", config.role, r.path, r.vocab_size,
                  r.max_context, config.dtype, r.device, config.host, port)
-        log.info("%s KV budget: %d tokens x %d bytes per token = %.0f MiB (--max-cached-tokens); up to %d "
-                 "sessions per forward pass", config.role, config.max_cached_tokens, r.kv_bytes_per_token,
-                 config.max_cached_tokens * r.kv_bytes_per_token / (1 << 20), host.scheduler.max_sequences)
+        budget = host.sessions.max_cached_tokens
+        log.info("%s KV budget: %d tokens x %d bytes per token = %.0f MiB in blocks of %d (%s attention); up to %d "
+                 "sessions per forward pass", config.role, budget, r.kv_bytes_per_token,
+                 budget * r.kv_bytes_per_token / (1 << 20), r.kv_block_size, r.forward.kernel,
+                 host.scheduler.max_sequences)
 
     task = asyncio.ensure_future(load())
     if wait_loaded:

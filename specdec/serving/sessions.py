@@ -7,9 +7,11 @@ applied twice.
 
 Memory is bounded three ways: a cap on sessions and a cap on tokens held over
 all sessions, the KV budget (least recently used sessions are evicted first),
-and an idle TTL. Sessions in the middle of a call are never evicted: a call
-that would take the budget past its cap with only such sessions left is
-refused (RESOURCE_EXHAUSTED), never let grow the device's memory.
+and an idle TTL. Tokens are counted in whole KV blocks (``granule`` positions
+each, as the model's paged store holds them), so the budget is block-exact.
+Sessions in the middle of a call are never evicted: a call that would take the
+budget past its cap with only such sessions left is refused
+(RESOURCE_EXHAUSTED), never let grow the device's memory.
 Eviction is always safe: an evicted session answers NOT_FOUND and the
 coordinator re-pre-fills it from the token history it keeps (position 0 starts
 a session afresh), so eviction costs time, never output.
@@ -89,7 +91,8 @@ class SessionStore(Generic[S]):
     """Sessions by id with LRU eviction and an idle TTL.
 
     ``new_state`` makes an empty per-session state; ``size`` says how many tokens
-    a state holds (what ``max_cached_tokens`` bounds).
+    a state holds (what ``max_cached_tokens`` bounds, counted in whole
+    ``granule``-token blocks).
     """
 
     def __init__(
@@ -101,9 +104,12 @@ class SessionStore(Generic[S]):
         ttl_s: float,
         size: Callable[[S], int] = lambda seq: len(seq.tokens),
         clock: Callable[[], float] = time.monotonic,
+        granule: int = 1,
     ):
         self._new_state = new_state
-        self._size = size
+        self._granule = granule
+        self._raw_size = size
+        self._size = lambda state: self._whole(size(state))
         self._clock = clock
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
@@ -157,7 +163,7 @@ class SessionStore(Generic[S]):
         the caps are enforced on the *other* sessions."""
         if not session_id:
             raise InvalidRequest("session_id is empty")
-        if position + reserve > self.max_cached_tokens:
+        if self._whole(position + reserve) > self.max_cached_tokens:
             raise ResourceExhausted(
                 f"session {shown(session_id)!r} would hold {position + reserve} tokens, more than this "
                 f"service's cap of {self.max_cached_tokens} cached tokens"
@@ -180,13 +186,13 @@ class SessionStore(Generic[S]):
                 break
             session.lock.release()  # ended or evicted while we waited: look again
         try:
-            held = self._size(session.state)
+            held = self._raw_size(session.state)
             if position > held:
                 raise PositionMismatch(shown(session_id), position, held)
             session.last_used = self._clock()
             self._sessions.move_to_end(session_id)
             # make room now for what this call will add, evicting idle others
-            extra = max(0, position + reserve - held)
+            extra = max(0, self._whole(position + reserve) - self._whole(held))
             self._enforce_caps(keep=session, extra=extra)
             if self._tokens + self._reserved + extra > self.max_cached_tokens:
                 self._refuse(session, extra)
@@ -232,6 +238,10 @@ class SessionStore(Generic[S]):
         return dropped
 
     # ------------------------------------------------------------------ internals
+
+    def _whole(self, tokens: int) -> int:
+        """``tokens`` rounded up to whole blocks."""
+        return -(-tokens // self._granule) * self._granule
 
     def _refuse(self, session: Session[S], extra: int) -> None:
         """What is left of the budget is held by sessions in calls: refuse this one."""

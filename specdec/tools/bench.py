@@ -218,6 +218,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="single (one session at a time, the rows above) and/or concurrency (many sessions at once)")
     p.add_argument("--sessions", default=None, help="concurrent sessions of the concurrency matrix "
                    "(default 1,4,16,32; quick 1,16)")
+    p.add_argument("--random-pair", default=None, metavar="FAMILY",
+                   help="instead of --target/--draft: a pair of FAMILY's shape (qwen2, qwen3, mistral, gemma2, llama) "
+                   "with random weights and the bundled tokenizer, built under --out")
 
 
 def plan(args) -> tuple[list[Config], list[float]]:
@@ -257,6 +260,10 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     target_dir = pathlib.Path(args.target or bundled.target_path())
     draft_dir = pathlib.Path(args.draft or bundled.draft_path())
+    if args.random_pair:
+        from specdec.tools.random_pair import make_random_pair
+
+        target_dir, draft_dir = make_random_pair(args.random_pair, out_dir / f"pair-{args.random_pair}")
     n_prompts = args.prompts or (4 if args.quick else 8)
     new_tokens = args.new_tokens or (64 if args.quick else 96)
     devices = {"target": args.device_target, "draft": args.device_draft or args.device_target}

@@ -76,8 +76,8 @@ def start_stacks(procs: Processes, target_dir: pathlib.Path, draft_dir: pathlib.
                         "--port", str(ports["target"]), "--metrics-port", str(ports["metrics"]), *extra],
                        TARGET_CORE),
             "coordinator": (["coordinator", "--draft", f"127.0.0.1:{ports['draft']}", "--target",
-                             f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"]), "--tokenizer",
-                             str(target_dir), "--max-workers", "256"], COORDINATOR_CORE),
+                             f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"]),
+                             "--max-workers", "256"], COORDINATOR_CORE),
         }
         pids = {}
         for role, (args, core) in commands.items():

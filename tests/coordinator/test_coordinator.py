@@ -20,6 +20,7 @@ from coordinator.engine import Coordinator
 from coordinator.learned_gamma import regime
 from coordinator.requests import parse_gamma_policy
 from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
+from specdec.core.vocabulary import size_fingerprint
 from specdec.models.tokenizer import load_tokenizer
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -100,6 +101,7 @@ class FakeService:
 
 class FakeDraft(FakeService, pb_grpc.DraftServiceServicer):
     def Propose(self, request, context):
+        self.target_vocab_sizes = getattr(self, "target_vocab_sizes", []) + [request.target_vocab_size]
         seq = self._seq(request, context)
         for i in range(request.gamma):
             tok = target_next(seq, self.eos_at)
@@ -439,11 +441,27 @@ def test_one_request_per_session_at_a_time(fakes):
     ("fingerprint", "other", "tokenizer mismatch: draft 'FakeDraft' at 127.0.0.1:"),
 ])
 def test_draft_and_target_must_share_the_vocabulary(fakes, field, value, words):
-    draft, _, make = fakes
+    """Models without tokenizers are known by their vocabulary's size alone:
+    sizes must agree. With tokenizers, the tokenizers must."""
+    draft, target, make = fakes
+    for service in (draft, target):
+        service.fingerprint = size_fingerprint(service.vocab)
     setattr(draft, field, value)
+    if field == "vocab":
+        draft.fingerprint = size_fingerprint(value)
     with pytest.raises(errors.FailedPrecondition) as exc:
         run(make(), prompt_ids=(1, 2), max_new_tokens=2)
     assert words in str(exc.value) and "target 'FakeTarget' at 127.0.0.1:" in str(exc.value)
+
+
+def test_a_draft_padded_to_other_rows_of_the_same_tokenizer_is_told_the_targets(fakes):
+    """Same tokenizer, vocabularies padded to different sizes: the pair is
+    served, and each Propose names the target's rows, so the draft proposes
+    only ids the target holds."""
+    draft, target, make = fakes
+    draft.vocab = target.vocab + 64
+    ids, _, _ = run(make(), prompt_ids=(1, 2), max_new_tokens=6, gamma_policy="static:3")
+    assert len(ids) == 6 and draft.target_vocab_sizes and set(draft.target_vocab_sizes) == {target.vocab}
 
 
 def _serve(servicer, add, port: int = 0) -> tuple[grpc.Server, int]:
@@ -689,12 +707,14 @@ def test_the_first_request_teaches_the_next_ones_nothing(fakes):
 
 
 def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_path):
-    from coordinator.server import tokenizer_dir
+    from coordinator.tokenizer_source import TokenizerSource
 
     with pytest.raises(ValueError, match="no tokenizer.json or tokenizer_config.json"):
-        tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path)))
+        TokenizerSource.for_config(CoordinatorConfig(tokenizer=str(tmp_path)))
     with pytest.raises(ValueError, match="not a directory"):
-        tokenizer_dir(CoordinatorConfig(tokenizer=str(tmp_path / "nope")))
+        TokenizerSource.for_config(CoordinatorConfig(tokenizer=str(tmp_path / "nope")))
+    assert TokenizerSource.for_config(CoordinatorConfig()).from_target
+    assert not TokenizerSource.for_config(CoordinatorConfig(tokenizer="none")).from_target
 
 
 # ------------------------------------------------------------------ resuming a turn

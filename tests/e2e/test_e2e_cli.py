@@ -220,3 +220,16 @@ def test_help_and_light_commands_start_without_torch():
     from specdec.models.decoder import SpeculativeDecoder
 
     assert specdec.SpeculativeDecoder is SpeculativeDecoder and "SpeculativeDecoder" in dir(specdec)
+
+
+def test_a_model_service_refuses_a_model_it_cannot_serve_at_start_up(tmp_path):
+    """A state-space model: the service exits 1 at start-up, its log naming
+    the architecture and why, before any request could get an INTERNAL."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=1)
+                     ).save_pretrained(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "target-service", "--model", str(tmp_path),
+                          "--host", "127.0.0.1", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "MambaForCausalLM (model_type 'mamba') cannot be served: it has state-space" in out.stderr

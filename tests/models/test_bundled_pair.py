@@ -131,12 +131,13 @@ def test_the_lean_target_decodes_greedily_as_hugging_face_does(decoder):
     """On the benchmark's own held-out prompts: speculative decoding with the
     lean target gives exactly Hugging Face's ``generate`` of the target."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from specdec import SamplingParams
     from specdec.tools.eval_pair import held_out_streams, make_prompts
 
     assert decoder.target.lean
-    hf = decoder.target.model
+    hf = AutoModelForCausalLM.from_pretrained(decoder.target.path, dtype=torch.float32).to(decoder.target.device).eval()
     greedy = SamplingParams(temperature=0.0, seed=0)
     for prompt in make_prompts(held_out_streams(decoder.tokenizer), 8, 128, 64, seed=0):
         ids = torch.tensor([prompt], device=hf.device)

@@ -78,10 +78,10 @@ class RandomGamma:
         pass
 
 
-@pytest.fixture(scope="module", params=["lean-target", "hf-target"])
+@pytest.fixture(scope="module", params=["lean-target", "own-modules-target"])
 def memo_pair(request, tmp_path_factory, device):
-    """The target through the lean forward (as every path runs it by default)
-    or through Hugging Face's; the draft through the lean one."""
+    """The target through the lean Llama layers (as every path runs it by
+    default) or through its own modules; the draft through the lean ones."""
     from tiny_models import make_noisy_copy, make_tiny_llama
 
     root = tmp_path_factory.mktemp("lossless")
@@ -96,8 +96,9 @@ def exact_distribution(target: MemoRunner, params: SamplingParams) -> torch.Tens
     seq = target.new_sequence()
     seq.tokens.extend(PROMPT)
     p1 = process_logits(target.logits(seq)[0], params).cpu()
-    joint = torch.zeros(V, V)
-    for x1 in range(V):
+    v = target.vocab_size
+    joint = torch.zeros(v, v)
+    for x1 in range(v):
         if p1[x1] > 0:
             seq = target.new_sequence()
             seq.tokens.extend(PROMPT + [x1])
@@ -107,7 +108,8 @@ def exact_distribution(target: MemoRunner, params: SamplingParams) -> torch.Tens
 
 def empirical(decoder, params, draft_top_k, gamma_rng=None):
     """Counts of (x1, x2) over SAMPLES seeds, and the drafts' acceptance rate."""
-    counts = torch.zeros(V, V)
+    v = decoder.target.vocab_size
+    counts = torch.zeros(v, v)
     proposed = accepted = 0
     for seed in range(SAMPLES):
         gamma = RandomGamma(gamma_rng) if gamma_rng else 2
@@ -151,6 +153,46 @@ def test_first_two_tokens_follow_target_distribution(memo_pair, setting, draft_t
     counts, acceptance = empirical(decoder, params, draft_top_k, rng)
     assert 0.2 < acceptance < 0.95  # both branches (accept, correct) are exercised
     # A token with target probability 0 never appears.
+    assert counts[joint == 0].sum() == 0
+    pvalue = chi_square_pvalue(counts, joint)
+    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "draft-padded", "target-padded"])
+def other_pair(request, tmp_path_factory, device):
+    """A non-Llama pair (Qwen3: q/k norms, through its own modules), and pairs
+    of one tokenizer (V words) whose vocabularies are padded to other sizes: a
+    draft of V + 8 rows proposing only the target's V, and a target of V + 4
+    rows (ids the draft lacks and gets as a placeholder; rows a target may
+    sample, so the check covers them)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import add_word_tokenizer, make_noisy_copy, save_tiny_model
+
+    root = tmp_path_factory.mktemp(f"lossless-{request.param}")
+    rows = {"qwen3": (V, V), "draft-padded": (V, V + 8), "target-padded": (V + 4, V)}[request.param]
+    arch = "qwen3" if request.param == "qwen3" else "qwen2"
+    big = save_tiny_model(root / "big", arch, vocab_size=max(rows), layers=1, seed=3, logit_scale=3)
+    noisy = make_noisy_copy(big, root / "noisy", noise=0.6, seed=4)
+
+    def with_rows(path, n, name):  # the same weights, the embedding matrices cut or padded to n rows
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.resize_token_embeddings(n, mean_resizing=False)
+        model.save_pretrained(root / name)
+        return add_word_tokenizer(root / name, V)
+
+    target, draft = with_rows(big, rows[0], "t"), with_rows(noisy, rows[1], "d")
+    return MemoRunner(ModelRunner(target, device)), MemoRunner(ModelRunner(draft, device))
+
+
+def test_other_pairs_follow_target_distribution(other_pair):
+    target, draft = other_pair
+    params = SETTINGS["t0.7-p0.9"]
+    decoder = SpeculativeDecoder(target, draft)
+    assert decoder.shared_vocab == min(target.vocab_size, draft.vocab_size)
+    joint = exact_distribution(target, params)
+    counts, acceptance = empirical(decoder, params, 4, random.Random(7))
+    assert 0.1 < acceptance < 0.95
     assert counts[joint == 0].sum() == 0
     pvalue = chi_square_pvalue(counts, joint)
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"

@@ -160,14 +160,14 @@ def test_sampled_tokens_verified_in_batches_follow_the_target_distribution(tmp_p
     from scipy import stats
 
     from specdec.core.sampling import process_logits
-    from specdec.models.local import draft_steps, new_draft_sequence, run_alone, verify_steps
-    from specdec.models.runner import ModelRunner
+    from specdec.models.local import DraftRule, draft_steps, new_draft_sequence, run_alone, verify_steps
+    from specdec.models.runner import KVSettings, ModelRunner
     from specdec.serving.scheduler import PassScheduler
     from specdec.serving.timing import ServerTiming
 
     vocab, prompt, samples = 16, [3, 1, 4], 4000
     target_dir = make_tiny_llama(tmp_path / "t", vocab_size=vocab, layers=1, seed=3, logit_scale=3)
-    target = ModelRunner(target_dir, lean=True)
+    target = ModelRunner(target_dir, lean=True, kv=KVSettings(tokens=samples * 16))  # every session at once
     draft = ModelRunner(make_noisy_copy(target_dir, tmp_path / "d", noise=0.6, seed=4), lean=True)
     params = SamplingParams(temperature=1.0)
     seq = target.new_sequence()
@@ -181,7 +181,7 @@ def test_sampled_tokens_verified_in_batches_follow_the_target_distribution(tmp_p
         sampling = dataclasses.replace(params, seed=seed)
         dseq = new_draft_sequence(draft)
         rounds.append((sampling, list(run_alone(draft, draft_steps(draft, dseq, 0, prompt, 2, sampling,
-                                                                   draft_top_k)))))
+                                                                   DraftRule(draft_top_k))))))
     futures, firsts = [], []
     try:
         for sampling, drafts in rounds:

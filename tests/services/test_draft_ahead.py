@@ -13,7 +13,7 @@ import torch
 
 from draft_service.servicer import add_to_server
 from specdec.core.interfaces import SamplingParams
-from specdec.models.local import draft_ahead, draft_tokens, new_draft_sequence
+from specdec.models.local import DraftRule, draft_ahead, draft_tokens, new_draft_sequence
 from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -59,7 +59,7 @@ def replay(runner, requests):
     params, k) -- made on a sequence that never drafted ahead."""
     seq = new_draft_sequence(runner)
     for position, new_tokens, gamma, params, k in requests:
-        drafts = list(draft_tokens(runner, seq, position, new_tokens, gamma, params, k))
+        drafts = list(draft_tokens(runner, seq, position, new_tokens, gamma, params, DraftRule(k)))
     return drafts
 
 
@@ -84,8 +84,8 @@ def round_then_ahead(runner, params, k, count=6):
     the sequence, the first request and the guess at the target's token."""
     seq = new_draft_sequence(runner)
     first = (0, PROMPT, 3, params, k)
-    list(draft_tokens(runner, seq, *first[:3], params, k))
-    assert draft_ahead(runner, seq, params, k, count, NEVER) == count
+    list(draft_tokens(runner, seq, *first[:3], params, DraftRule(k)))
+    assert draft_ahead(runner, seq, params, DraftRule(k), count, NEVER) == count
     return seq, first, seq.ahead.drafts[0].token
 
 
@@ -94,20 +94,21 @@ def test_all_accepted_and_guessed_reuses_the_drafts_made_ahead(draft, params, k)
     seq, first, guess = round_then_ahead(draft, params, k)
     second = (START, [guess], 4, params, k)  # every draft accepted; the target's token is the guess
     with CountForwards(draft) as forwards:
-        reused = list(draft_tokens(draft, seq, *second[:3], params, k))
+        reused = list(draft_tokens(draft, seq, *second[:3], params, DraftRule(k)))
     assert forwards.calls == 0  # all four existed already
     assert_same_drafts(reused, replay(draft, [first, second]))
     assert len(seq.tokens) == START + 1 + 4
     # and the sequence goes on exactly as one that never drafted ahead
     third = (len(seq.tokens), [7], 2, params, k)
-    assert_same_drafts(list(draft_tokens(draft, seq, *third[:3], params, k)), replay(draft, [first, second, third]))
+    assert_same_drafts(list(draft_tokens(draft, seq, *third[:3], params, DraftRule(k))),
+                       replay(draft, [first, second, third]))
 
 
 def test_fewer_drafts_made_ahead_than_asked_for_are_topped_up(draft):
     seq, first, guess = round_then_ahead(draft, SAMPLED, 6, count=3)  # the guess and two drafts
     second = (START, [guess], 5, SAMPLED, 6)
     with CountForwards(draft) as forwards:
-        got = list(draft_tokens(draft, seq, *second[:3], SAMPLED, 6))
+        got = list(draft_tokens(draft, seq, *second[:3], SAMPLED, DraftRule(6)))
     assert forwards.calls == 3  # two reused, three drafted
     assert_same_drafts(got, replay(draft, [first, second]))
 
@@ -126,7 +127,7 @@ def test_anything_but_the_round_bet_on_drafts_afresh(draft, case):
         new, k = [guess], 5
     second = (position, new, 3, params, k)
     with CountForwards(draft) as forwards:
-        got = list(draft_tokens(draft, seq, *second[:3], params, k))
+        got = list(draft_tokens(draft, seq, *second[:3], params, DraftRule(k)))
     assert forwards.calls == 3
     assert_same_drafts(got, replay(draft, [first, second]))
     assert seq.ahead is None
@@ -157,13 +158,13 @@ def _random_episode(draft, params, k, rng) -> int:
                 synced = 0
             request = (synced, committed[synced:], gamma)
             with CountForwards(draft) as forwards:
-                got = list(draft_tokens(draft, ahead_seq, *request, params, k))
+                got = list(draft_tokens(draft, ahead_seq, *request, params, DraftRule(k)))
             reused += forwards.calls < gamma
-            want = list(draft_tokens(draft, plain_seq, *request, params, k))
+            want = list(draft_tokens(draft, plain_seq, *request, params, DraftRule(k)))
             assert_same_drafts(got, want)
             assert ahead_seq.tokens == plain_seq.tokens and ahead_seq.cache_length == plain_seq.cache_length
             steps = iter(range(rng.randint(0, gamma + 3), -1, -1))
-            draft_ahead(draft, ahead_seq, params, k, gamma + 3, lambda steps=steps: next(steps) == 0)
+            draft_ahead(draft, ahead_seq, params, DraftRule(k), gamma + 3, lambda steps=steps: next(steps) == 0)
             guess = ahead_seq.ahead.drafts[0].token if ahead_seq.ahead.drafts else None
         accepted = rng.randint(0, gamma)
         nxt = guess if accepted == gamma and guess is not None and rng.random() < 0.5 else rng.randrange(32)
@@ -177,29 +178,29 @@ def _random_episode(draft, params, k, rng) -> int:
 def test_drafts_made_ahead_serve_one_request_only(draft):
     seq, first, guess = round_then_ahead(draft, GREEDY, 0)
     ahead = seq.ahead
-    list(draft_tokens(draft, seq, START, [(guess + 1) % 32], 2, GREEDY, 0))  # another token: drafts afresh
+    list(draft_tokens(draft, seq, START, [(guess + 1) % 32], 2, GREEDY))  # another token: drafts afresh
     assert seq.ahead is None
     seq.ahead = ahead  # even put back, drafts made after a history that changed are not reused
     with CountForwards(draft) as forwards:
-        list(draft_tokens(draft, seq, START, [guess], 2, GREEDY, 0))
+        list(draft_tokens(draft, seq, START, [guess], 2, GREEDY))
     assert forwards.calls == 2
 
 
 def test_stop_is_asked_before_every_token(draft):
     seq = new_draft_sequence(draft)
-    list(draft_tokens(draft, seq, 0, PROMPT, 2, GREEDY, 0))
+    list(draft_tokens(draft, seq, 0, PROMPT, 2, GREEDY))
     held = list(seq.tokens)
-    assert draft_ahead(draft, seq, GREEDY, 0, 5, lambda: True) == 0
+    assert draft_ahead(draft, seq, GREEDY, DraftRule(), 5, lambda: True) == 0
     assert seq.tokens == held and not seq.ahead.drafts
     asked = iter([False, False, True])
-    assert draft_ahead(draft, seq, GREEDY, 0, 5, lambda: next(asked)) == 2
+    assert draft_ahead(draft, seq, GREEDY, DraftRule(), 5, lambda: next(asked)) == 2
 
 
 def test_drafting_ahead_stops_at_the_context(draft):
     seq = new_draft_sequence(draft)
     room = draft.max_context - len(PROMPT) - 2
-    list(draft_tokens(draft, seq, 0, PROMPT + [1] * room, 1, GREEDY, 0))
-    assert draft_ahead(draft, seq, GREEDY, 0, 5, NEVER) == 1
+    list(draft_tokens(draft, seq, 0, PROMPT + [1] * room, 1, GREEDY))
+    assert draft_ahead(draft, seq, GREEDY, DraftRule(), 5, NEVER) == 1
     assert len(seq.tokens) == draft.max_context
 
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specdec.core.interfaces import SamplingParams
-from specdec.models.local import draft_tokens, new_draft_sequence, verify_drafts
+from specdec.models.local import DraftRule, draft_tokens, new_draft_sequence, verify_drafts
 from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -97,7 +97,7 @@ def test_propose_sampling_sends_the_truncated_q_it_sampled_from(stubs, local):
     draft_stub, _ = stubs
     _, draft_runner = local
     msgs = propose(draft_stub, new_session(), 0, PROMPT, 4, SAMPLED, top_k=6)
-    expected = list(draft_tokens(draft_runner, new_draft_sequence(draft_runner), 0, PROMPT, 4, SAMPLED, 6))
+    expected = list(draft_tokens(draft_runner, new_draft_sequence(draft_runner), 0, PROMPT, 4, SAMPLED, DraftRule(6)))
     for m, d in zip(msgs, expected, strict=True):
         q = pc.draft_token_from_proto(m, vocab_size=32).q
         assert m.token == d.token and len(m.q.ids) == 6 and m.token in m.q.ids
@@ -217,7 +217,8 @@ def test_evicted_session_answers_not_found_and_info_counts(stubs, device):
     for sid in sids:
         verify(target_stub, sid, 0, PROMPT, [])
     info = target_stub.GetModelInfo(pb.ModelInfoRequest())
-    assert info.active_sessions == 4 and info.cached_tokens == 4 * (len(PROMPT) + 1)
+    block = 16  # the CPU's KV block: tokens are counted in whole blocks
+    assert info.active_sessions == 4 and info.cached_tokens == 4 * block * -(-(len(PROMPT) + 1) // block)
     assert (info.vocab_size, info.max_context, info.device, info.gamma_max) == (32, 128, device, 8)
     with pytest.raises(grpc.RpcError) as e:
         verify(target_stub, sids[0], len(PROMPT) + 1, [], [])
@@ -406,8 +407,8 @@ def _bad_inputs():
         ("draft outside vocab", "target", V(draft_tokens=[32]), INV, ["draft_tokens", "32"]),
         ("q missing", "target", V(sampling=sampled), INV, ["draft_q has 0", "1 draft_tokens"]),
         ("q count mismatch", "target", V(sampling=sampled, draft_q=[dense, dense]), INV, ["draft_q has 2"]),
-        ("dense q wrong size", "target",
-         V(sampling=sampled, draft_q=[pc.dist_to_proto(torch.ones(5) / 5)]), INV, ["draft_q[0]", "5 values"]),
+        ("dense q too long", "target",
+         V(sampling=sampled, draft_q=[pc.dist_to_proto(torch.ones(40) / 40)]), INV, ["draft_q[0]", "40 values"]),
         ("q negative", "target",
          V(sampling=sampled, draft_q=[pc.dist_to_proto(torch.full((32,), -1.0))]), INV, ["draft_q[0]", ">= 0"]),
         ("q excludes draft", "target",
@@ -470,3 +471,42 @@ def test_a_busy_port_is_one_line_and_exit_status_1(command, busy, capfd):
     err = capfd.readouterr().err
     assert f"specdec {command}: error: cannot " in err and f"127.0.0.1:{port}" in err
     assert "Traceback" not in err and "never awaited" not in err and "Event loop is closed" not in err
+
+
+# ---------------------------------------------------------------- the model it serves
+
+
+def test_model_info_names_the_architecture_and_the_kv_block(stubs):
+    _, target_stub = stubs
+    info = target_stub.GetModelInfo(pb.ModelInfoRequest())
+    assert info.architecture == "LlamaForCausalLM (model_type 'llama')"
+    assert info.kv_block_size == 16 and info.kv_budget_tokens % 16 == 0
+    assert not info.has_tokenizer
+
+
+def test_get_tokenizer_without_one_is_not_found(stubs):
+    _, target_stub = stubs
+    with pytest.raises(grpc.RpcError) as e:
+        list(target_stub.GetTokenizer(pb.TokenizerRequest(), timeout=20))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "has no tokenizer files" in e.value.details()
+
+
+def test_get_tokenizer_streams_the_files_in_pieces(loop, tmp_path, monkeypatch):
+    """The bundled target's tokenizer, in pieces of at most TOKENIZER_CHUNK bytes, whole again."""
+    from specdec.models import bundled
+    from specdec.serving import model_host
+
+    monkeypatch.setattr(model_host, "TOKENIZER_CHUNK", 50_000)
+    target = start_service(loop, "target", bundled.target_path())
+    try:
+        with channel(target) as ch:
+            chunks = list(pb_grpc.TargetServiceStub(ch).GetTokenizer(pb.TokenizerRequest(), timeout=20))
+        assert all(len(c.data) <= 50_000 for c in chunks)
+        whole: dict[str, bytes] = {}
+        for c in chunks:
+            whole[c.file] = whole.get(c.file, b"") + c.data
+        for name, data in whole.items():
+            assert data == (bundled.target_path() / name).read_bytes()
+        assert "tokenizer.json" in whole and len(chunks) > len(whole)
+    finally:
+        loop.call(target.stop())

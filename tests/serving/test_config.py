@@ -144,12 +144,13 @@ def test_the_settings_page_flag_tables_match_the_declarations():
 
 
 def test_serve_without_a_tokenizer_serves_prompt_ids(tiny_pair, monkeypatch):
-    """Models that ship no tokenizer: the coordinator ``specdec serve`` would start
-    takes prompt_ids (the bundled target's tokenizer is another model's)."""
+    """Models that ship no tokenizer: the coordinator ``specdec serve`` would
+    start asks the target for its tokenizer, finds none, and takes prompt_ids."""
     import subprocess
 
     from coordinator.server import add_arguments, start_coordinator
     from specdec.cli import serve
+    from specdec.serving import errors
     from specdec.serving.client import Client
 
     from service_harness import LoopThread, start_service
@@ -164,13 +165,15 @@ def test_serve_without_a_tokenizer_serves_prompt_ids(tiny_pair, monkeypatch):
         ports = {"coordinator": 0, **{role: service.port for role, service in services.items()}}
         serve.Stack(target=target, draft=draft, ports=ports, devices={"draft": "cpu", "target": "cpu"})
         argv = started[-1][started[-1].index("coordinator") + 1:]
-        assert argv[argv.index("--tokenizer") + 1] == "none"
+        assert "--tokenizer" not in argv  # the target's own, fetched from it
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         coordinator = loop.call(start_coordinator(CoordinatorConfig.load(vars(parser.parse_args(argv)))))
         with Client(f"127.0.0.1:{coordinator.port}", timeout=30) as client:
             out = client.complete(prompt_ids=[1, 2, 3], max_new_tokens=8)
-        assert out.stats.generated_tokens == 8 and len(out.token_ids) == 8
+            assert out.stats.generated_tokens == 8 and len(out.token_ids) == 8
+            with pytest.raises(errors.InvalidRequest, match="no tokenizer"):
+                client.complete("some text", max_new_tokens=8)
     finally:
         if coordinator is not None:
             loop.call(coordinator.stop())

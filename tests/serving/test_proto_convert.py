@@ -53,7 +53,7 @@ def test_distributions_round_trip_exactly(monkeypatch):
     (pb.Distribution(ids=[9, 3, 7, 3], probs=pc.dist_to_proto(torch.ones(4)).probs), "not unique"),
     (pb.Distribution(ids=[2, -1], probs=pc.dist_to_proto(torch.ones(2)).probs), "-1 is outside"),
     (pc.dist_to_proto(torch.tensor([0.5, -0.1] + [0.0] * 48)), "finite and >= 0"),
-    (pc.dist_to_proto(torch.full((49,), 1 / 49)), "49 values, the vocabulary has 50"),
+    (pc.dist_to_proto(torch.full((51,), 1 / 51)), "51 values, the vocabulary has 50"),
     (pc.dist_to_proto(torch.tensor([float("nan")] * 50)), "finite"),
     (pc.dist_to_proto(torch.zeros(50)), "all probabilities are 0"),
     (pc.dist_to_proto(torch.full((50,), 1 / 25)), "must sum to 1, got 2"),
@@ -63,6 +63,13 @@ def test_distributions_round_trip_exactly(monkeypatch):
 def test_bad_distributions_are_invalid_requests(msg, words):
     with pytest.raises(InvalidRequest, match=words):
         pc.dist_from_proto(msg, vocab_size=50)
+
+
+def test_a_dense_distribution_may_cover_only_the_first_ids():
+    """A draft that holds fewer vocabulary rows than its target sends q over its
+    own: the ids past them have probability 0."""
+    q = pc.dist_from_proto(pc.dist_to_proto(torch.full((40,), 1 / 40)), 50)
+    assert q.shape == (40,)
 
 
 def test_draft_tokens_verdicts_timings():

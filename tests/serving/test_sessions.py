@@ -109,6 +109,26 @@ def test_lru_eviction_by_cached_tokens():
     run(go())
 
 
+def test_tokens_are_counted_in_whole_kv_blocks():
+    """With blocks of 8 positions, a session of 9 tokens holds 16 of the budget:
+    eviction and refusal are exact to the block the store allocates."""
+    store, _ = make_store(max_sessions=10, max_cached_tokens=32, granule=8)
+
+    async def go():
+        await grow(store, "a", 0, 9)
+        assert store.cached_tokens == 16
+        await grow(store, "b", 0, 8)
+        assert store.cached_tokens == 24
+        await grow(store, "c", 0, 3)  # 24 + 8 = 32: fits
+        assert len(store) == 3 and store.cached_tokens == 32
+        await grow(store, "c", 3, 6)  # c grows to 9 tokens, 16: a (least recent) goes
+        assert "a" not in store and store.cached_tokens == 24
+        with pytest.raises(ResourceExhausted, match="would hold 33 tokens, more than this service's cap of 32"):
+            await grow(store, "d", 0, 33)
+
+    run(go())
+
+
 def test_idle_ttl_expires_sessions():
     store, clock = make_store(ttl_s=60)
 
