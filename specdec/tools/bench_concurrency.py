@@ -198,11 +198,28 @@ def run_concurrency(procs: Processes, target_dir: pathlib.Path, draft_dir: pathl
     for stack in stacks.values():
         with Client(stack.address) as client:
             client.wait_ready(180)
+            models_loaded(client, 180)
     pin(TARGET_CORE)  # the services are idle: time the target's passes on its core
     passes = {n: time_passes(target_dir, devices["target"], n) for n in sessions_list}
     rows = run_matrix(stacks, prompts, sessions_list, new_tokens)
     return {"sessions": sessions_list, "new_tokens": new_tokens, "passes": passes,
             "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def models_loaded(client, timeout_s: float) -> None:
+    """Block until one token comes back through the coordinator: its draft and
+    target have loaded their models (a coordinator serves before they have)."""
+    from specdec.serving import errors
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.complete(prompt_ids=[1, 2, 3], max_new_tokens=1)
+            return
+        except errors.Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _rows_and_ceilings(concurrency: dict) -> tuple[dict, dict[int, tuple[float, float, float]]]:
