@@ -152,25 +152,29 @@ class BatchedModel:
         return probe
 
     def _self_check(self) -> None:
-        """The batched pass against the model's own eager forward on a short
-        sequence run in pieces (pre-fill, one token, two tokens after a
-        rollback); UnsupportedModel if they differ beyond float rounding."""
-        tokens = [(7 * i + 3) % max(2, self.model.config.vocab_size) for i in range(9)]
-        cache = self.new_cache()
+        """The batched pass against the model's own eager forward: two sequences
+        of different lengths run in pieces, ragged (pre-fills of 5 and 3, a step
+        of one beside a step of three, then after a rollback three beside one);
+        UnsupportedModel if they differ beyond float rounding."""
+        vocab = max(2, self.model.config.vocab_size)
+        seqs = [[(7 * i + 3) % vocab for i in range(8)], [(5 * i + 1) % vocab for i in range(7)]]
+        caches = [self.new_cache(), self.new_cache()]
         with torch.inference_mode():
-            got = [self.forward_batch([BatchRow(tokens[:5], cache, 5)])[0],
-                   self.forward_batch([BatchRow(tokens[5:6], cache, 1)])[0]]
-            self.kv.crop(cache, 5)
-            got.append(self.forward_batch([BatchRow(tokens[5:8], cache, 3)])[0])
+            self.forward_batch([BatchRow(seqs[0][:5], caches[0], 5), BatchRow(seqs[1][:3], caches[1], 3)])
+            self.forward_batch([BatchRow(seqs[0][5:6], caches[0], 1), BatchRow(seqs[1][3:6], caches[1], 3)])
+            self.kv.crop(caches[0], 5)
+            got = self.forward_batch([BatchRow(seqs[0][5:8], caches[0], 3), BatchRow(seqs[1][6:7], caches[1], 1)])
             self.model.set_attn_implementation("eager")
             try:
-                want = self.model(input_ids=torch.tensor([tokens[:8]], device=self.device), use_cache=False).logits[0]
+                want = [self.model(input_ids=torch.tensor([seq], device=self.device), use_cache=False).logits[0, -n:]
+                        for seq, n in zip(seqs, (3, 1), strict=True)]
             finally:
                 self.model.set_attn_implementation(attention.NAME)
-        self.kv.release(cache)
-        got_all = torch.cat([got[0], got[2]])
-        if not close_logits(got_all, want.float(), self.model.dtype):
-            diff = (got_all - want.float()).abs().max().item()
+        for cache in caches:
+            self.kv.release(cache)
+        got_all, want_all = torch.cat(got).float(), torch.cat(want).float()
+        if not close_logits(got_all, want_all, self.model.dtype):
+            diff = (got_all - want_all).abs().max().item()
             raise UnsupportedModel(f"{architecture(self.model)} cannot be served: its logits through specdec's "
                                    f"batched attention differ from its own forward's (max |difference| {diff:.3g}); "
                                    "it does something the attention function does not")

@@ -414,6 +414,8 @@ def _bad_inputs():
         ("q excludes draft", "target",
          V(sampling=sampled, draft_q=[pb.Distribution(ids=[2], probs=pc.dist_to_proto(torch.ones(1)).probs)]),
          INV, ["draft_q[0]", "probability 0"]),
+        ("short dense q excludes draft", "target",  # covers ids 0 only: draft 1 lies past it
+         V(sampling=sampled, draft_q=[pc.dist_to_proto(torch.ones(1))]), INV, ["draft_q[0]", "probability 0"]),
         ("unknown session", "target", V(session_id="never-seen", position=4), grpc.StatusCode.NOT_FOUND,
          ["never-seen"]),
         ("oversized", "target", V(new_tokens=[1] * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, []),
