@@ -33,7 +33,7 @@ import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
 from coordinator.pinning import Pinned
 from coordinator.pools import Replica
-from specdec.core.interfaces import DraftToken, PassLoad, SamplingParams, SessionState, Verdict
+from specdec.core.interfaces import DraftToken, PassLoad, Propose, SessionLost, SessionState, Verdict, Verify
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
@@ -207,14 +207,6 @@ class SideStats:
         return self.total("network_s")
 
 
-@dataclasses.dataclass
-class RoundIds:
-    """The session's round counter; a Propose and the Verify of the same round
-    share an id (they go to different services), a repeated call reuses it."""
-
-    next_id: int = 1
-
-
 class _Retries:
     """What one failed call may do. UNAVAILABLE: repeat it with the same round id
     (a service that did apply it answers from its record instead of applying it
@@ -264,7 +256,6 @@ class RemoteSession:
 
     key: str
     state: SessionState
-    ids: RoundIds
     before_refill: Callable[[ServiceClient], None] = lambda client: None
     may_take_over: Callable[[Replica], bool] = lambda replica: True
     metrics: object = None  # a CoordinatorMetrics, or None
@@ -300,32 +291,26 @@ class RemoteProposer:
         self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
         self.target_vocab_size = target_vocab_size  # the draft proposes only ids the target holds too
 
-    def propose(
-        self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams
-    ) -> Iterator[DraftToken]:
+    def propose(self, call: Propose) -> Iterator[DraftToken]:
         retries = _Retries(self.session.before_refill)
         if not self.pinned.fit():
             if not _move(self.pinned, self.session, "unhealthy" if self.pinned.replica else "none left"):
                 return
-            new_tokens = self.session.state.tokens[:position] + list(new_tokens)
-            position = self.session.state.draft_synced = 0
-            retries.refilled = True
+            raise SessionLost("draft", "moved")
+        client = self.pinned.client
+        request = conv.propose_request(self.session.key, call.round_id, call.position, call.new_tokens, call.gamma,
+                                       call.params, self.draft_top_k, self.target_vocab_size)
         while True:
-            client = self.pinned.client
-            request = conv.propose_request(
-                self.session.key, self.session.ids.next_id, position, new_tokens, gamma, params, self.draft_top_k,
-                self.target_vocab_size,
-            )
             yielded = received = 0
             try:
-                with client.calls.call("Propose") as call:
+                with client.calls.call("Propose") as rpc:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
-                    messages = client.stub.Propose(request, timeout=client.call_timeout_s, metadata=call.metadata)
+                    messages = client.stub.Propose(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
                     for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete
-                            call.record(self._account(message.timing, gamma, retries.refilled,
-                                                      time.perf_counter() - started, request.ByteSize(), received))
+                            rpc.record(self._account(message.timing, call, time.perf_counter() - started,
+                                                     request.ByteSize(), received))
                         yielded += 1
                         # q stays the received message: the coordinator only forwards it.
                         yield DraftToken(message.token, message.q if message.HasField("q") else None)
@@ -333,13 +318,12 @@ class RemoteProposer:
             except grpc.RpcError as e:
                 if self._gave_up(e, client, yielded):
                     return
-                action = None if yielded else retries.after(e, position, client, self.session.key)
+                action = None if yielded else retries.after(e, call.position, client, self.session.key)
                 if action is None:
                     raise client.translate(e, "Propose") from None
                 if action == "refill":
                     self.session.refilled("draft", "evicted")
-                    new_tokens = self.session.state.tokens[:position] + list(new_tokens)
-                    position = self.session.state.draft_synced = 0
+                    raise SessionLost("draft", "evicted") from None
 
     def _gave_up(self, e: grpc.RpcError, client: ServiceClient, yielded: int) -> bool:
         """A failure of the replica (not of the request) ends the drafting of
@@ -357,12 +341,12 @@ class RemoteProposer:
                     "" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "; the next moves to another draft")
         return True
 
-    def _account(self, timing: pb.ServerTiming, gamma: int, refill: bool, waited_s: float,
-                 sent: int, received: int) -> RpcRecord:
+    def _account(self, timing: pb.ServerTiming, call: Propose, waited_s: float, sent: int, received: int
+                 ) -> RpcRecord:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
-        if not s.calls or refill:
-            s.prefill_tokens += max(0, timing.computed_tokens - (gamma - 1))
+        if not s.calls or call.position == 0:
+            s.prefill_tokens += max(0, timing.computed_tokens - (call.gamma - 1))
         s.calls.append(RpcRecord.of_call("draft", waited_s, timing, sent, received))
         return s.calls[-1]
 
@@ -376,56 +360,50 @@ class RemoteVerifier:
 
     def __init__(self, pinned: Pinned, session: RemoteSession, stats: SideStats):
         self.pinned, self.session, self.stats = pinned, session, stats
+        self.full: set[str] = set()  # replicas that answered the turn RESOURCE_EXHAUSTED
 
-    def verify(
-        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams,
-        decode: int = 0,
-    ) -> Verdict:
+    def verify(self, call: Verify) -> Verdict:
         retries = _Retries(self.session.before_refill)
-        refill = not self.pinned.fit() and _move(self.pinned, self.session, "unhealthy")
-        full: set[str] = set()  # replicas that answered this call RESOURCE_EXHAUSTED
+        if not self.pinned.fit() and _move(self.pinned, self.session, "unhealthy"):
+            raise SessionLost("target", "moved")
+        client = self.pinned.client
+        request = conv.verify_request(self.session.key, call.round_id, call.position, call.new_tokens, call.drafts,
+                                      call.params, call.decode)
         while True:
-            if refill:
-                new_tokens = self.session.state.tokens[:position] + list(new_tokens)
-                position = self.session.state.target_synced = 0
-                retries.refilled, refill = True, False
-                # A fresh round id: the replica now asked may have applied this
-                # round's first form (the turn left it, and came back).
-                self.session.ids.next_id += 1
-            client = self.pinned.client
-            request = conv.verify_request(self.session.key, self.session.ids.next_id, position, new_tokens, drafts,
-                                          params, decode)
             try:
-                with client.calls.call("Verify") as call:
+                with client.calls.call("Verify") as rpc:
                     started = time.perf_counter()
-                    response = client.stub.Verify(request, timeout=client.call_timeout_s, metadata=call.metadata)
+                    response = client.stub.Verify(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
                     record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,
                                                request.ByteSize(), response.ByteSize())
-                    call.record(record)
+                    rpc.record(record)
                 break
             except grpc.RpcError as e:
-                if e.code() in REPLICA_FAILURES:
-                    self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}",
-                                       hung=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
-                    if _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
-                        refill = True
-                        continue
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV budget: another may have room
-                    full.add(client.address)
-                    if _move(self.pinned, self.session, "at its KV budget", full):
-                        refill = True
-                        continue
-                action = retries.after(e, position, client, self.session.key)
+                self._moved_after(e, client)
+                action = retries.after(e, call.position, client, self.session.key)
                 if action is None:
                     raise client.translate(e, "Verify") from None
                 if action == "refill":
                     self.session.refilled("target", "evicted")
-                    refill = True
+                    raise SessionLost("target", "evicted") from None
         s = self.stats
-        if not s.calls or retries.refilled:  # history the target lacked: all it ran but the drafts and decoding
-            s.prefill_tokens += max(0, response.timing.computed_tokens - len(drafts) - len(response.decoded_tokens))
+        if not s.calls or call.position == 0:  # history the target lacked: all it ran but the drafts and decoding
+            s.prefill_tokens += max(0, response.timing.computed_tokens - len(call.drafts)
+                                    - len(response.decoded_tokens))
         s.calls.append(record)
-        self.session.ids.next_id += 1  # Verify ends the round
         t = response.timing
         passes = PassLoad(t.batch_sequences, t.batch_tokens, t.pass_s) if t.batch_sequences else None
         return dataclasses.replace(conv.verdict_from_proto(response), passes=passes)
+
+    def _moved_after(self, e: grpc.RpcError, client: ServiceClient) -> None:
+        """A failed replica (or one at its KV budget) hands the turn to another
+        healthy target that serves the same model: raises SessionLost when it did."""
+        if e.code() in REPLICA_FAILURES:
+            self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}",
+                               hung=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+            if _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
+                raise SessionLost("target", "moved") from None
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV budget: another may have room
+            self.full.add(client.address)
+            if _move(self.pinned, self.session, "at its KV budget", self.full):
+                raise SessionLost("target", "moved") from None

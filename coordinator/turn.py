@@ -28,11 +28,11 @@ from coordinator.learned_gamma import regime
 from coordinator.pair import PairInfo, PairRegistry
 from coordinator.pinning import Pinned
 from coordinator.pools import Replica
-from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, RoundIds, SideStats
+from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, SideStats
 from coordinator.requests import Request
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
-from specdec.core.rounds import Limits, run_rounds
+from specdec.core.rounds import Limits, RoundMachine, run_rounds
 from specdec.core.text import TextStream
 from specdec.serving import errors
 from specdec.serving.generation import Delta, GenerationStats
@@ -135,7 +135,7 @@ class Turn:
             raise errors.InvalidRequest(
                 f"prompt of {len(self.turn.prompt_ids)} tokens{history} does not fit the model context of "
                 f"{pair.context} (at least one position must be left to generate)")
-        self.ids = RoundIds(self.record.next_round_id)
+        self.machine: RoundMachine | None = None  # the rounds, once they start
         self.draft_stats, self.target_stats = SideStats(), SideStats()
         self.rounds: list[RoundResult] = []
         self.ended_before: str | None = None  # a resumed turn that had ended before it was cut short
@@ -223,7 +223,7 @@ class Turn:
 
     def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
-        session = RemoteSession(self.key, self.state, self.ids,
+        session = RemoteSession(self.key, self.state,
                                 lambda client: services.pairs.check_unchanged(pair, client),
                                 lambda replica: services.serves(pair, replica), services.metrics)
         proposer = None
@@ -233,8 +233,11 @@ class Turn:
         self.ended_before = self._complete(text)
         budget = 0 if self.ended_before else self.turn.max_new_tokens - len(self.turn.generated)
         limits = Limits(budget, pair.context, pair.eos_token_ids, text, req.plain_tokens)
+        self.machine = RoundMachine(self.state, params=self.params, gamma_policy=req.policy, limits=limits,
+                                    drafting=proposer is not None, round_id=self.record.next_round_id,
+                                    observer=services.observer)
         return run_rounds(proposer, verifier, self.state, params=self.params, gamma_policy=req.policy,
-                          limits=limits, observer=services.observer)
+                          limits=limits, machine=self.machine)
 
     def _complete(self, text: TextStream | None) -> str | None:
         """Why a resumed turn had already ended before it was cut short (its
@@ -259,7 +262,8 @@ class Turn:
         resumable) and free what the services hold (best effort)."""
         record, state = self.record, self.state
         # A failed round may have left its id recorded in one service: skip it.
-        record.next_round_id = self.ids.next_id + (0 if done else 1)
+        if self.machine is not None:
+            record.next_round_id = self.machine.round_id + (0 if done else 1)
         if not done:
             log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services; "
                      "the turn can be resumed, or is dropped by the next one", record.session_id, self.generated)

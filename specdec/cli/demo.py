@@ -93,7 +93,20 @@ def summary(spec, base, policy: str, *, same: bool, greedy: bool) -> str:
         f"target only   {base.tokens_per_second:7.1f} tokens/s  ({base.generated_tokens} tokens, "
         f"{base.elapsed_s:.2f} s)",
         f"speedup       {speedup:.2f}x",
+        "",
+        "where the time went        ms per round | ms per token | target only, ms per token",
+        *breakdown(spec, base),
     ]
     if greedy:
-        lines.append(f"same output as target-only decoding: {'yes' if same else 'NO'}")
+        lines.insert(6, f"same output as target-only decoding: {'yes' if same else 'NO'}")
     return "\n".join(lines)
+
+
+def breakdown(spec, base) -> list[str]:
+    """One line per share of the wall time: per speculative round, and per
+    token of each run (what the speedup compares)."""
+    ours, theirs = spec.time_split(), base.time_split()
+    ms = lambda seconds, count: 1000 * seconds / max(1, count)  # noqa: E731
+    return [f"  {name:<28}{ms(ours[name], spec.rounds):8.2f} {ms(ours[name], spec.generated_tokens):14.2f} "
+            f"{ms(theirs[name], base.generated_tokens):14.2f}" for name in ours]
+

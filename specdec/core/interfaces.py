@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -106,25 +106,69 @@ class Verdict:
     decoded: tuple[int, ...] = ()  # tokens the target then decoded alone, after next_token (``decode``)
 
 
+@dataclasses.dataclass(frozen=True)
+class Propose:
+    """Ask the draft: roll back to ``position``, append ``new_tokens`` and draft
+    ``gamma`` tokens (round ``round_id``)."""
+
+    round_id: int
+    position: int
+    new_tokens: list[int]
+    gamma: int
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Verify:
+    """Ask the target: roll back to ``position``, append ``new_tokens`` and judge
+    ``drafts``; then decode up to ``decode`` more tokens alone (round ``round_id``)."""
+
+    round_id: int
+    position: int
+    new_tokens: list[int]
+    drafts: list[DraftToken]
+    decode: int
+    params: SamplingParams
+
+
+class SessionLost(Exception):
+    """Raised by a side whose service no longer holds the session (evicted,
+    restarted, or the turn moved to another replica): the round machine asks
+    again from position 0 with the whole history."""
+
+    def __init__(self, side: str, cause: str = ""):
+        super().__init__(f"the {side} lost the session" + (f": {cause}" if cause else ""))
+        self.side, self.cause = side, cause
+
+
 class Proposer(Protocol):
-    def propose(self, position: int, new_tokens: list[int], gamma: int, params: SamplingParams) -> Iterator[DraftToken]:
-        """Roll back to ``position``, append ``new_tokens`` and draft ``gamma``
-        tokens, yielding each as soon as it is drafted (with the q it was
-        sampled from, under sampling: the proposer's own, e.g. its top-k).
+    def propose(self, call: Propose) -> Iterator[DraftToken]:
+        """Roll back to ``call.position``, append ``call.new_tokens`` and draft
+        ``call.gamma`` tokens, yielding each as soon as it is drafted (with the q
+        it was sampled from, under sampling: the proposer's own, e.g. its top-k).
         It may yield fewer (a remote draft that failed): the round verifies
-        what it got, and the output is the target's all the same."""
+        what it got, and the output is the target's all the same. Raises
+        :class:`SessionLost` before yielding when it no longer holds the session."""
 
 
 class Verifier(Protocol):
-    def verify(
-        self, position: int, new_tokens: list[int], drafts: list[DraftToken], params: SamplingParams,
-        decode: int = 0,
-    ) -> Verdict:
-        """Roll back to ``position``, append ``new_tokens`` and judge ``drafts``;
-        afterwards hold the accepted drafts and the next token. Then decode up
-        to ``decode`` more tokens alone (plain target decoding, exactly as rounds
-        without drafts would make them), stopping after an end-of-sequence
-        token, and hold those too: ``Verdict.decoded``."""
+    def verify(self, call: Verify) -> Verdict:
+        """Roll back to ``call.position``, append ``call.new_tokens`` and judge
+        ``call.drafts``; afterwards hold the accepted drafts and the next token.
+        Then decode up to ``call.decode`` more tokens alone (plain target
+        decoding, exactly as rounds without drafts would make them), stopping
+        after an end-of-sequence token, and hold those too: ``Verdict.decoded``.
+        Raises :class:`SessionLost` when it no longer holds the session."""
+
+
+class AsyncProposer(Protocol):
+    def propose(self, call: Propose) -> AsyncIterator[DraftToken]:
+        """:meth:`Proposer.propose`, its drafts awaited."""
+
+
+class AsyncVerifier(Protocol):
+    async def verify(self, call: Verify) -> Verdict:
+        """:meth:`Verifier.verify`, awaited."""
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
+from specdec.core.interfaces import DraftToken, Propose, SamplingParams, Verdict, Verify
 from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
 from specdec.models.runner import ModelRunner, Pass, Sequence
@@ -269,8 +269,8 @@ class LocalProposer:
 
     rule: DraftRule = DraftRule()
 
-    def propose(self, position, new_tokens, gamma, params):
-        return draft_tokens(self.runner, self.seq, position, new_tokens, gamma, params, self.rule)
+    def propose(self, call: Propose) -> Iterator[DraftToken]:
+        return draft_tokens(self.runner, self.seq, call.position, call.new_tokens, call.gamma, call.params, self.rule)
 
 
 @dataclasses.dataclass
@@ -280,5 +280,6 @@ class LocalVerifier:
     runner: ModelRunner
     seq: Sequence
 
-    def verify(self, position, new_tokens, drafts, params, decode=0):
-        return verify_drafts(self.runner, self.seq, position, new_tokens, drafts, params, decode)
+    def verify(self, call: Verify) -> Verdict:
+        return verify_drafts(self.runner, self.seq, call.position, call.new_tokens, call.drafts, call.params,
+                             call.decode)

@@ -80,6 +80,16 @@ class GenerationStats:
     def network_s(self) -> float:
         return self.draft_network_s + self.target_network_s
 
+    def time_split(self) -> dict[str, float]:
+        """Where the turn's wall time went, in seconds: the target's compute, the
+        draft's compute the rounds waited for (drafts made ahead while the target
+        verified cost nothing here), the network with serialisation, the
+        services' queues and copies, and the rest: the coordinator's own work."""
+        split = {"target compute": self.target_compute_s, "draft compute (waited for)": self.draft_compute_s,
+                 "network + serialisation": self.network_s, "service queues + copies": self.queue_s + self.copy_s}
+        split["coordinator + client"] = max(0.0, self.elapsed_s - sum(split.values()))
+        return split
+
     @property
     def bytes_per_round(self) -> float:
         return (self.bytes_sent + self.bytes_received) / self.rounds if self.rounds else 0.0

@@ -112,14 +112,14 @@ def test_round_metrics_mirror_vllm_spec_decode_counters():
 
 
 class _Proposer:
-    def propose(self, position, new_tokens, gamma, params):
-        for t in range(gamma):
+    def propose(self, call):
+        for t in range(call.gamma):
             yield DraftToken(t, None)
 
 
 class _Verifier:
-    def verify(self, position, new_tokens, drafts, params, decode=0):
-        return Verdict(accepted=len(drafts), next_token=9)
+    def verify(self, call):
+        return Verdict(accepted=len(call.drafts), next_token=9)
 
 
 def test_the_round_loop_reports_every_round_inside_the_generation_span(provider):
