@@ -17,18 +17,19 @@ Two directories implement :class:`SessionDirectory`: :class:`InMemoryDirectory`
 (one coordinator, nothing to install) and
 :class:`coordinator.redis_directory.RedisDirectory` (shared by coordinator
 replicas). Writes go through a :class:`Lease`: one request per session at a time,
-across every coordinator sharing the directory.
+across every coordinator sharing the directory. Both are asynchronous and run on
+the caller's event loop (the coordinator's one loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from coordinator.leases import SessionLeases
@@ -117,30 +118,33 @@ class Lease:
 
 
 class SessionDirectory(Protocol):
-    def get(self, session_id: str) -> SessionRecord | None:
+    """The coordinator's store of sessions. Every method runs on the caller's
+    event loop (the coordinator's one loop): a directory is used on one loop only."""
+
+    async def get(self, session_id: str) -> SessionRecord | None:
         """The stored record (with its last turn), or None for an unknown (or closed) session."""
 
-    def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
+    async def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
         """Create or replace the record, its last turn included (``keep_deltas``:
         but not the turn's deltas, which are stored already, all of them)."""
 
-    def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
+    async def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
         """Append the last of ``record.turn.deltas`` to the stored turn (after
         each round: one delta written, not the whole turn)."""
 
-    def delete(self, session_id: str, lease: Lease | None) -> bool:
+    async def delete(self, session_id: str, lease: Lease | None) -> bool:
         """Forget the session; True if it existed."""
 
-    def hold(self, session_id: str, cancelled: threading.Event | None = None,
-             wait_s: float | None = None) -> contextlib.AbstractContextManager[Lease | None]:
-        """Hold the session for one request: yields its lease, or None if the
-        request was cancelled before it got it. FailedPrecondition when another
-        request keeps it past ``wait_s``."""
+    def hold(self, session_id: str, cancelled: asyncio.Event | None = None,
+             wait_s: float | None = None) -> contextlib.AbstractAsyncContextManager[Lease | None]:
+        """Hold the session for one request (``async with directory.hold(...) as
+        lease``): yields its lease, or None if the request was cancelled before
+        it got it. FailedPrecondition when another request keeps it past ``wait_s``."""
 
-    def check(self) -> None:
+    async def check(self) -> None:
         """Raise Unavailable if the directory cannot be reached now."""
 
-    def close(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 class InMemoryDirectory:
@@ -149,69 +153,67 @@ class InMemoryDirectory:
     with the store — the same semantics a networked store has. At most
     ``max_records`` are kept; beyond that the least recently written is dropped
     (a client that never closes its sessions cannot grow the coordinator
-    without bound)."""
+    without bound).
+
+    The methods are coroutines only to match :class:`SessionDirectory`: none of
+    them awaits anything, so on the one event loop each runs whole, and the
+    dicts need no lock."""
 
     def __init__(self, max_records: int = 100_000) -> None:
         self.max_records = max_records
         # session id -> [session dict, turn dict | None]
         self._records: collections.OrderedDict[str, list] = collections.OrderedDict()
-        self._lock = threading.Lock()
         self._leases = SessionLeases()
 
-    def get(self, session_id: str) -> SessionRecord | None:
-        with self._lock:
-            parts = self._records.get(session_id)
+    async def get(self, session_id: str) -> SessionRecord | None:
+        parts = self._records.get(session_id)
         return None if parts is None else SessionRecord.from_dicts(*parts)
 
-    def put(self, record: SessionRecord, lease: Lease | None = None, keep_deltas: bool = False) -> None:
+    async def put(self, record: SessionRecord, lease: Lease | None = None, keep_deltas: bool = False) -> None:
         record.updated_at = time.time()
         turn = record.turn
         if keep_deltas and turn is not None:  # copy all but the deltas
             record.turn = dataclasses.replace(turn, deltas=[])
             parts = [record.session_dict(), record.turn_dict()]
             record.turn = turn
+            # The stored ones, else (forgotten meanwhile) a copy.
+            stored = self._records.get(record.session_id, [None, None])[1]
+            parts[1]["deltas"] = stored["deltas"] if stored is not None else _copy(turn.deltas)
         else:
             parts = [record.session_dict(), record.turn_dict()]
-        with self._lock:
-            if keep_deltas and turn is not None:  # the stored ones, else (forgotten meanwhile) a copy
-                stored = self._records.get(record.session_id, [None, None])[1]
-                parts[1]["deltas"] = stored["deltas"] if stored is not None else _copy(turn.deltas)
-            self._records[record.session_id] = parts
-            self._records.move_to_end(record.session_id)
-            while len(self._records) > self.max_records:
-                dropped, _ = self._records.popitem(last=False)
-                log.info("session directory full (%d): forgot least recently used session %s",
-                         self.max_records, dropped)
+        self._records[record.session_id] = parts
+        self._records.move_to_end(record.session_id)
+        while len(self._records) > self.max_records:
+            dropped, _ = self._records.popitem(last=False)
+            log.info("session directory full (%d): forgot least recently used session %s",
+                     self.max_records, dropped)
 
-    def add_delta(self, record: SessionRecord, lease: Lease | None = None) -> None:
+    async def add_delta(self, record: SessionRecord, lease: Lease | None = None) -> None:
         ids, text = record.turn.deltas[-1]
-        with self._lock:
-            parts = self._records.get(record.session_id)
-            stored = parts[1] if parts is not None else None
-            if stored is not None and len(stored["deltas"]) == len(record.turn.deltas) - 1:
-                stored["deltas"].append([list(ids), text])
-                return
-        self.put(record, lease)  # forgotten meanwhile (the directory was full), or out of step
+        parts = self._records.get(record.session_id)
+        stored = parts[1] if parts is not None else None
+        if stored is not None and len(stored["deltas"]) == len(record.turn.deltas) - 1:
+            stored["deltas"].append([list(ids), text])
+            return
+        await self.put(record, lease)  # forgotten meanwhile (the directory was full), or out of step
 
-    def delete(self, session_id: str, lease: Lease | None = None) -> bool:
-        with self._lock:
-            return self._records.pop(session_id, None) is not None
+    async def delete(self, session_id: str, lease: Lease | None = None) -> bool:
+        return self._records.pop(session_id, None) is not None
 
-    @contextlib.contextmanager
-    def hold(self, session_id: str, cancelled: threading.Event | None = None,
-             wait_s: float | None = None) -> Iterator[Lease | None]:
-        with self._leases.hold(session_id, cancelled) as held:
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str, cancelled: asyncio.Event | None = None,
+                   wait_s: float | None = None) -> AsyncIterator[Lease | None]:
+        async with self._leases.hold(session_id, cancelled) as held:
             yield Lease(session_id) if held else None
 
-    def check(self) -> None:
+    async def check(self) -> None:
         pass
 
-    def close(self) -> None:
+    async def close(self) -> None:
         pass
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._records)
+        return len(self._records)
 
 
 def _copy(value):

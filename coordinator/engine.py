@@ -14,20 +14,20 @@ pieces:
 
 and the telemetry around them (a span per Generate, the round observer).
 
-:meth:`Coordinator.generate` is a plain synchronous generator; the servicer runs
-each step on a worker thread, so the event loop stays free for other streams and
-health checks. Closing the generator early (the client went away) frees the
-session's state in both services.
+:meth:`Coordinator.generate` is an asynchronous generator on the server's one
+event loop: every stream's rounds are awaited calls (grpc.aio), so no stream
+holds a thread. Closing it early, or cancelling it (the client went away),
+frees the session's state in both services.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
 from coordinator.learned_gamma import LearnedGamma, regime
@@ -75,87 +75,90 @@ class Coordinator:
         if metrics is not None:
             metrics.watch_replicas(lambda: {role: pool.snapshot() for role, pool in self.pools.items()})
 
-    def pair(self, fresh: bool = False, wait_s: float = 0.0) -> PairInfo:
+    async def pair(self, fresh: bool = False, wait_s: float = 0.0) -> PairInfo:
         """The pair a healthy draft and target serve (UNAVAILABLE naming the
         role that has none within ``wait_s``)."""
-        draft, target = (self._answering(role, fresh, wait_s) for role in ("draft", "target"))
-        pair = self.pairs.get(draft, target)
-        self.tokenizer = self.checks.tokenizer = self.tokenizers.for_pair(pair.vocab_fingerprint, target)
+        draft = await self._answering("draft", fresh, wait_s)
+        target = await self._answering("target", fresh, wait_s)
+        pair = await self.pairs.get(draft, target)
+        self.tokenizer = self.checks.tokenizer = await self.tokenizers.for_pair(pair.vocab_fingerprint, target)
         return pair
 
-    def _answering(self, role: str, fresh: bool, wait_s: float) -> ServiceClient:
+    async def _answering(self, role: str, fresh: bool, wait_s: float) -> ServiceClient:
         """A healthy replica of ``role`` whose ModelInfo is at hand or that
         answers for it; one that does not is reported out and the next tried."""
         tried: set[str] = set()
         failed: errors.Unavailable | None = None
         while True:
             try:
-                replica = self.pools[role].pick(exclude=tried, pin=False, wait_s=wait_s)
+                replica = await self.pools[role].pick(exclude=tried, pin=False, wait_s=wait_s)
             except errors.Unavailable:
                 if failed is not None:
                     raise failed from None
                 raise
             try:
-                self.pairs.info(replica.client, fresh)
+                await self.pairs.info(replica.client, fresh)
                 return replica.client
             except errors.Unavailable as e:
                 self.pools[role].report_failure(replica.address, f"GetModelInfo failed: {e}")
                 tried.add(replica.address)
                 failed = e
 
-    def generate(self, job: GenerateJob, cancelled: threading.Event | None = None
-                 ) -> Iterator[Delta | GenerationStats]:
+    async def generate(self, job: GenerateJob, cancelled: asyncio.Event | None = None
+                       ) -> AsyncIterator[Delta | GenerationStats]:
         """Stream one completion: a Delta per round as soon as it commits, then
         the stats. Named sessions continue their history; one-shot sessions are
         freed at the end. ``cancelled``, set by the caller once its client has
         gone: no round starts after it, and the next request on the session
         waits for this one to end."""
-        cancelled = cancelled or threading.Event()
+        cancelled = cancelled or asyncio.Event()
         started = time.perf_counter()
-        checked = self.pair(wait_s=REPLICA_WAIT_S)
+        checked = await self.pair(wait_s=REPLICA_WAIT_S)
         request = self.checks.validate(job, checked)
         client = auth.current_client()
         if client and job.session_id:  # before the lease, so another's session cannot be held up by anyone
-            known = self.directory.get(job.session_id)
+            known = await self.directory.get(job.session_id)
             if known is not None:
                 claim(known, client)
         # A resumed turn takes over from a coordinator that may have died
         # holding the session: its lease runs out within the lease time.
         wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
-        with self.directory.hold(job.session_id, cancelled, wait_s) as lease:
+        async with self.directory.hold(job.session_id, cancelled, wait_s) as lease:
             if lease is None:
                 return
-            record = open_record(self.directory, job.session_id)
+            record = await open_record(self.directory, job.session_id)
             claim(record, client)  # again, under the lease
-            with self._pinned(record, request) as services:
-                pair = self.pairs.get(*services.clients())
+            async with self._pinned(record, request) as services:
+                pair = await self.pairs.get(*services.clients())
                 if pair != checked:  # these replicas serve other limits (a pool mid-upgrade): check again
                     request = self.checks.validate(job, pair)
                 key = regime(request.params, request.draft_top_k)
                 request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
                 continue_session(request.policy, record, key)
                 turn = Turn(services, self.directory, request, pair, record, tokenizer=self.tokenizer, lease=lease)
-                yield from self._run(turn, request, key, cancelled, started)
+                async with contextlib.aclosing(self._run(turn, request, key, cancelled, started)) as events:
+                    async for event in events:
+                        yield event
 
-    def _run(self, turn: Turn, request: Request, key, cancelled: threading.Event, started: float
-             ) -> Iterator[Delta | GenerationStats]:
+    async def _run(self, turn: Turn, request: Request, key, cancelled: asyncio.Event, started: float
+                   ) -> AsyncIterator[Delta | GenerationStats]:
         if turn.resume_after is not None and self.metrics is not None:
             self.metrics.turns_resumed.inc()
-        with generation_span(_info(request, turn.pair, turn)) as span, \
-                contextlib.closing(turn.run(cancelled, started)) as events:
-            for event in events:
-                if isinstance(event, GenerationStats):
-                    record_generation(span, self.metrics, event)
-                    self.learned.finished(request.policy, key)
-                    # The turn is complete and stored: its client may send the next
-                    # one at once, which then waits for this lease, not refused.
-                    cancelled.set()
-                elif self.metrics is not None:
-                    self.metrics.observe_streamed(len(event.token_ids))
-                yield event
+        with generation_span(_info(request, turn.pair, turn)) as span:
+            async with contextlib.aclosing(turn.run(cancelled, started)) as events:
+                async for event in events:
+                    if isinstance(event, GenerationStats):
+                        record_generation(span, self.metrics, event)
+                        self.learned.finished(request.policy, key)
+                        # The turn is complete and stored: its client may send the next
+                        # one at once, which then waits for this lease, not refused.
+                        cancelled.set()
+                    elif self.metrics is not None:
+                        self.metrics.observe_streamed(len(event.token_ids))
+                    yield event
 
-    @contextlib.contextmanager
-    def _pinned(self, record: SessionRecord, request: Request) -> Iterator[Services]:
+    @contextlib.asynccontextmanager
+    async def _pinned(self, record: SessionRecord, request: Request) -> AsyncIterator[Services]:
         """The turn's replicas: the session's while they are fit, else the
         least-loaded healthy ones (a moved side starts from an empty cache);
         released when the turn ends."""
@@ -163,13 +166,13 @@ class Coordinator:
         pins: dict[str, Pinned] = {}
         try:
             for role in ("draft", "target") if drafting else ("target",):
-                pinned, cause = pin(self.pools[role], getattr(record, f"{role}_replica"), REPLICA_WAIT_S)
+                pinned, cause = await pin(self.pools[role], getattr(record, f"{role}_replica"), REPLICA_WAIT_S)
                 pinned.on_move = lambda role, address, cause: self._moved(record, role, address, cause, True)
                 pins[role] = pinned
                 if cause:
                     self._moved(record, role, pinned.address, cause, False)
             pair_draft = pins["draft"].client if drafting else \
-                self.pools["draft"].pick(pin=False, wait_s=REPLICA_WAIT_S).client
+                (await self.pools["draft"].pick(pin=False, wait_s=REPLICA_WAIT_S)).client
             yield Services(pins.get("draft"), pins["target"], self.pairs, self.observer, self.metrics, pair_draft)
         finally:
             for pinned in pins.values():
@@ -189,27 +192,25 @@ class Coordinator:
             if mid_turn:
                 self.metrics.failovers.labels(role).inc()
 
-    def close_session(self, session_id: str) -> bool:
+    async def close_session(self, session_id: str) -> bool:
         """Forget a named session and free its state in both services."""
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
         check_name(session_id, "session_id")
-        with self.directory.hold(session_id) as lease:  # no Generate may start on it meanwhile
-            record = self.directory.get(session_id)
+        async with self.directory.hold(session_id) as lease:  # no Generate may start on it meanwhile
+            record = await self.directory.get(session_id)
             if record is None:
                 raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
             claim(record, auth.current_client())
-            self.directory.delete(session_id, lease)
-            for role in ("draft", "target"):
-                replica = self.pools[role].get(getattr(record, f"{role}_replica"))
-                if replica is not None:
-                    replica.client.end_session(record.service_session_id)
+            await self.directory.delete(session_id, lease)
+            replicas = [self.pools[role].get(getattr(record, f"{role}_replica")) for role in ("draft", "target")]
+            await asyncio.gather(*(r.client.end_session(record.service_session_id) for r in replicas if r))
             return True
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for pool in self.pools.values():
-            pool.close()
-        self.directory.close()
+            await pool.close()
+        await self.directory.close()
         self.tokenizers.close()
 
 

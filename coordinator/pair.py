@@ -74,10 +74,10 @@ class PairRegistry:
             log.info("lost the connection to the %s service at %s: its model is checked again before its next "
                      "turn", client.role, client.address)
 
-    def get(self, draft: ServiceClient, target: ServiceClient, fresh: bool = False) -> PairInfo:
+    async def get(self, draft: ServiceClient, target: ServiceClient, fresh: bool = False) -> PairInfo:
         """The pair these two replicas serve, asked of them if not known (or when
         ``fresh``); FailedPrecondition if they cannot work together."""
-        d, t = self.info(draft, fresh), self.info(target, fresh)
+        d, t = await self.info(draft, fresh), await self.info(target, fresh)
         pair = self._pair(d, t, draft, target)
         with self._lock:
             before, self._last, self._last_from = self._last, pair, (draft, target)
@@ -87,10 +87,10 @@ class PairRegistry:
                 self.on_change()
         return pair
 
-    def differs(self, pair: PairInfo, client: ServiceClient, fresh: bool = False) -> str:
+    async def differs(self, pair: PairInfo, client: ServiceClient, fresh: bool = False) -> str:
         """How the replica behind ``client`` differs from what ``pair`` says of
         its role ("": it does not). Only that replica is asked."""
-        info = self.info(client, fresh)
+        info = await self.info(client, fresh)
         name = pair.draft_name if client.role == "draft" else pair.target_name
         rows = pair.draft_vocab_size if client.role == "draft" else pair.vocab_size
         if info.model_name != name:
@@ -101,17 +101,19 @@ class PairRegistry:
             return f"holds a context of {info.max_context}, the turn needs {pair.context}"
         if client.role == "target" and frozenset(info.eos_token_ids) != pair.eos_token_ids:
             return f"ends on EOS ids {sorted(info.eos_token_ids)}, the turn began with {sorted(pair.eos_token_ids)}"
+        if info.HasField("gamma_max") and info.gamma_max < pair.gamma_max:
+            return f"takes at most {info.gamma_max} tokens a round (--gamma-max), the turn may ask {pair.gamma_max}"
         return ""
 
-    def check_unchanged(self, pair: PairInfo, client: ServiceClient) -> None:
+    async def check_unchanged(self, pair: PairInfo, client: ServiceClient) -> None:
         """Before a replica that lost a session mid-turn (as a restarted one has)
         gets its history again: one turn never mixes two models."""
-        why = self.differs(pair, client, fresh=True)
+        why = await self.differs(pair, client, fresh=True)
         if why:
             raise errors.Unavailable(f"the {client.role} service at {client.address} changed during this turn: "
                                      f"it {why}; the turn is stopped, send it again")
 
-    def info(self, client: ServiceClient, fresh: bool = False) -> pb.ModelInfo:
+    async def info(self, client: ServiceClient, fresh: bool = False) -> pb.ModelInfo:
         """The replica's ModelInfo: held, or asked (and held until its connection drops)."""
         with self._lock:
             info, epoch = self._infos.get(client), self._epochs.get(client, 0)
@@ -121,7 +123,7 @@ class PairRegistry:
             client.on_connection_lost(lambda: self.forget(client))
         if info is not None and not fresh:
             return info
-        info = client.model_info()
+        info = await client.model_info()
         with self._lock:
             if self._epochs.get(client, 0) == epoch:
                 self._infos[client] = info

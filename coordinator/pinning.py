@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from coordinator.pools import Replica, ReplicaPool
 from specdec.serving import errors
@@ -66,20 +66,20 @@ class Pinned:
         if self.replica is not None:
             self.pool.report_failure(self.replica.address, reason, self.HUNG_HOLD_OUT_S if hung else 0.0)
 
-    def move(self, cause: str, accept: Callable[[Replica], bool] = lambda r: True,
-             exclude: Iterable[str] = ()) -> bool:
+    async def move(self, cause: str, accept: Callable[[Replica], Awaitable[bool]] | None = None,
+                   exclude: Iterable[str] = ()) -> bool:
         """Take the least-loaded healthy replica, other than the current one and
-        ``exclude``, that ``accept`` takes (it serves the turn's model); False,
-        and no change, if there is none."""
+        ``exclude``, that ``accept`` takes (awaited: it serves the turn's model);
+        False, and no change, if there is none."""
         excluded = set(exclude) | ({self.address} if self.replica is not None else set())
         while True:
             try:
-                chosen = self.pool.pick(exclude=excluded, suspects=False)
+                chosen = await self.pool.pick(exclude=excluded, suspects=False)
             except errors.Unavailable as e:
                 log.debug("%s: no replica to move to (%s)", self.role, e)
                 return False
             try:
-                taken = accept(chosen)
+                taken = True if accept is None else await accept(chosen)
             except BaseException:
                 self.pool.unpin(chosen.address)
                 raise
@@ -101,7 +101,7 @@ class Pinned:
             self.replica = None
 
 
-def pin(pool: ReplicaPool, address: str, wait_s: float = 0.0) -> tuple[Pinned, str]:
+async def pin(pool: ReplicaPool, address: str, wait_s: float = 0.0) -> tuple[Pinned, str]:
     """A turn's replica of ``pool``'s role: the session's (``address``) while it
     is fit, else the least-loaded healthy one; and why it changed ("" : it did
     not, "new" : the session had none). Unavailable, naming the role and why
@@ -114,4 +114,4 @@ def pin(pool: ReplicaPool, address: str, wait_s: float = 0.0) -> tuple[Pinned, s
         cause = "gone" if known is None or not known.resolved else "unhealthy"
     else:
         cause = "new"
-    return Pinned(pool, pool.pick(wait_s=wait_s)), cause
+    return Pinned(pool, await pool.pick(wait_s=wait_s)), cause

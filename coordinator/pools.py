@@ -15,14 +15,16 @@ to it (its pod may well be alive, draining), takes no new session, and is
 closed at the first re-resolution after its last session left.
 
 Health comes from the standard gRPC health service (every specdec service
-registers its own name there) asked by a background thread, and from failed
-calls the coordinator reports: a replica that failed a call stays out until a
-health check says SERVING again, because a service that is shutting down
-still answers the calls in flight but no longer wants new sessions.
+registers its own name there) asked by a background task on the coordinator's
+event loop, and from failed calls the coordinator reports: a replica that
+failed a call stays out until a health check says SERVING again, because a
+service that is shutting down still answers the calls in flight but no longer
+wants new sessions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import logging
@@ -30,7 +32,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 import grpc
@@ -140,7 +142,8 @@ def _host_port(host: str, port: int) -> str:
 
 def resolve(name: str, port: int) -> list[str]:
     """Every address ``name`` resolves to (IPv4 and IPv6) as gRPC targets,
-    sorted, each once; OSError (socket.gaierror) when the lookup fails."""
+    sorted, each once; OSError (socket.gaierror) when the lookup fails.
+    It blocks: the pool runs it in a worker thread, off the event loop."""
     infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     return sorted({_host_port(info[4][0], port) for info in infos
                    if info[0] in (socket.AF_INET, socket.AF_INET6)})
@@ -149,9 +152,9 @@ def resolve(name: str, port: int) -> list[str]:
 # ------------------------------------------------------------------ health
 
 Health = tuple[bool, str]  # (serving, why not)
-# Starts a check of one client and returns what waits for its answer, so one
-# sweep asks every replica at once: a sweep takes one timeout, not one per replica.
-Checker = Callable[[Any], Callable[[], Health]]
+# Asks one client: awaits its answer. A sweep awaits every replica's at once,
+# so it takes one timeout, not one per replica.
+Checker = Callable[[Any], Awaitable[Health]]
 
 
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
@@ -160,37 +163,48 @@ _deserialize = health_pb2.HealthCheckResponse.FromString
 
 
 def grpc_health_checker(service: str, timeout_s: float) -> Checker:
-    """Asks ``grpc.health.v1.Health/Check`` for ``service`` over the client's ``channel``."""
+    """Asks ``grpc.health.v1.Health/Check`` for ``service`` over the client's
+    ``channel`` (a ``grpc.aio`` channel; None once the client is closed)."""
     request = health_pb2.HealthCheckRequest(service=service)
 
-    def start(client) -> Callable[[], Health]:
-        # Not health_pb2_grpc.HealthStub: its registered method crashes the
-        # process (grpc 1.85) when made on a closed channel, and a sweep may
-        # meet a replica closed meanwhile; a plain method raises ValueError.
+    async def check(client) -> Health:
+        channel = client.channel
+        if channel is None:  # ServiceClient.close() drops its channel
+            return False, "channel closed (the client was closed)"
+        # A plain method, not health_pb2_grpc.HealthStub: the stub's registered
+        # method crashed the process (grpc 1.85, sync channels) when made on a
+        # closed channel, and a sweep may meet a replica closed meanwhile; a
+        # plain call on a closed aio channel only raises UsageError.
         try:
-            check = client.channel.unary_unary(CHECK_METHOD, request_serializer=_serialize,
-                                               response_deserializer=_deserialize)
-            future = check.future(request, timeout=timeout_s)
-        except ValueError as e:  # the channel is closed
-            closed: Health = (False, f"channel closed ({e})")
-            return lambda: closed
-        return lambda: _answer(future, service, timeout_s)
+            call = channel.unary_unary(CHECK_METHOD, request_serializer=_serialize, response_deserializer=_deserialize)
+            reply = await call(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            return _failed(e, service, timeout_s)
+        except (ValueError, RuntimeError, grpc.aio.UsageError) as e:  # the channel is closed
+            return False, f"channel closed ({e})"
+        except asyncio.CancelledError:
+            # Closing a channel cancels its calls: the replica left the pool
+            # (or the pool closed) during the sweep. Only a cancelled sweep goes on up.
+            if asyncio.current_task().cancelling():
+                raise
+            return False, "channel closed (the check was cancelled)"
+        return _serving(reply.status)
 
-    return start
+    return check
 
 
-def _answer(future, service: str, timeout_s: float) -> Health:
-    try:
-        status = future.result().status
-    except grpc.RpcError as e:
-        code, details = errors.rpc_status(e)
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return True, "no health service"  # it answered; there is nothing more to ask it
-        if code == grpc.StatusCode.NOT_FOUND:
-            return False, f"serves no {service} (health NOT_FOUND: the address of another service?)"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return False, f"health check timed out after {timeout_s:g} s"
-        return False, f"unreachable ({code.name}: {details})"
+def _failed(e: grpc.RpcError, service: str, timeout_s: float) -> Health:
+    code, details = errors.rpc_status(e)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return True, "no health service"  # it answered; there is nothing more to ask it
+    if code == grpc.StatusCode.NOT_FOUND:
+        return False, f"serves no {service} (health NOT_FOUND: the address of another service?)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False, f"health check timed out after {timeout_s:g} s"
+    return False, f"unreachable ({code.name}: {details})"
+
+
+def _serving(status: int) -> Health:
     if status == health_pb2.HealthCheckResponse.SERVING:
         return True, ""
     return False, f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
@@ -204,7 +218,8 @@ NOT_CHECKED = "not checked yet"
 @dataclasses.dataclass(eq=False)
 class Replica:
     """One service replica: its address and client, and what the pool knows of
-    it (changed under the pool's lock; read it through :meth:`ReplicaPool.snapshot`)."""
+    it (changed by the pool on its event loop; from another thread, read it
+    through :meth:`ReplicaPool.snapshot`)."""
 
     address: str
     client: Any
@@ -231,9 +246,17 @@ class ReplicaStatus(NamedTuple):
 
 class ReplicaPool:
     """The replicas of one role ("draft" or "target"), one client each
-    (``make_client(address)``), health-checked every ``health_interval_s`` on a
-    daemon thread (None: only by :meth:`check_now`, as tests do) and, for a
-    ``dns:///`` spec, re-resolved every ``resolve_interval_s``. Thread-safe."""
+    (``make_client(address)``), health-checked every ``health_interval_s`` by a
+    background task (None: only by :meth:`check_now`, as tests do) and, for a
+    ``dns:///`` spec, re-resolved every ``resolve_interval_s``.
+
+    The pool lives on one event loop, the one its clients use: build it there
+    (``make_client`` is called at once for a list of addresses) and call its
+    methods there. Only :meth:`snapshot` may be called from another thread
+    (a metrics scrape). Built on a running loop, the pool starts its task
+    itself; built off one, it starts nothing until :meth:`start` is called on
+    the loop. A ``dns:///`` pool knows no replica until its first lookup: the
+    task's first step, the first :meth:`pick`, or ``await resolve_now()``."""
 
     RETRY_S = 0.25  # how often a waiting pick looks again
 
@@ -247,31 +270,39 @@ class ReplicaPool:
         self.role, self.spec = role, spec
         self.names = parse_addresses(spec)
         self.dns = self.names if isinstance(self.names, DnsName) else None
-        self.resolve_interval_s = resolve_interval_s
+        self.health_interval_s, self.resolve_interval_s = health_interval_s, resolve_interval_s
         self._make_client, self._resolver, self._clock = make_client, resolver, clock
         self._checker = checker or grpc_health_checker(health_service or HEALTH_SERVICES[role], health_timeout_s)
+        # Everything but snapshot() runs on the loop; the lock is for snapshot()
+        # from a scrape thread, so it is only ever held for a few statements.
         self._lock = threading.Lock()
-        self._resolving = threading.Lock()  # one re-resolution at a time: each adds what it found
-        self._sweeping = threading.Lock()  # held by a waiting pick's health sweep
+        self._resolving = asyncio.Lock()  # one re-resolution at a time: each adds what it found
+        self._sweeping = asyncio.Lock()  # held by a waiting pick's health sweep
+        self._stop = asyncio.Event()
         self._replicas: dict[str, Replica] = {}
         self._last_pick = ""
         self._resolved_at = float("-inf")
         self._lookup_error = ""
-        self._stop = threading.Event()
-        if self.dns is not None:
-            self.resolve_now()
-        else:
+        self._task: asyncio.Task | None = None
+        if self.dns is None:
             self._replicas = {address: Replica(address, make_client(address)) for address in self.names}
-        self._thread = None
-        if health_interval_s is not None:
-            self._thread = threading.Thread(target=self._run, args=(health_interval_s,), daemon=True,
-                                            name=f"{role}-replicas")
-            self._thread.start()
+        if health_interval_s is not None and _loop_running():
+            self.start()
+
+    def start(self) -> None:
+        """Start the background task: health sweeps every ``health_interval_s``
+        and, for a ``dns:///`` pool, lookups every ``resolve_interval_s`` (the
+        first at once). Call it on the running loop; it does nothing when the
+        task runs already, the pool is closed or ``health_interval_s`` is None."""
+        if self._task is not None or self._stop.is_set() or self.health_interval_s is None:
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run(self.health_interval_s),
+                                                            name=f"{self.role}-replicas")
 
     # -------------------------------------------------------------- choosing
 
-    def pick(self, exclude: Iterable[str] = (), *, pin: bool = True, wait_s: float = 0.0,
-             suspects: bool = True) -> Replica:
+    async def pick(self, exclude: Iterable[str] = (), *, pin: bool = True, wait_s: float = 0.0,
+                   suspects: bool = True) -> Replica:
         """The healthy replica with the fewest pinned sessions (round robin
         among equals), not one of ``exclude``; pinned to the caller when
         ``pin`` (in the same step, so concurrent picks spread out). With none
@@ -281,20 +312,20 @@ class ReplicaPool:
         still starting), then raises Unavailable saying why each is out."""
         excluded = set(exclude)
         deadline = self._clock() + wait_s
+        if self.dns is not None and self._resolved_at == float("-inf"):
+            await self._first_lookup()
         while True:
             try:
                 return self._pick(excluded, pin, suspects)
             except errors.Unavailable:
                 if self._clock() >= deadline or self._stop.is_set():
                     raise
-            self._stop.wait(min(self.RETRY_S, max(0.0, deadline - self._clock())))
+            await self._wait_stop(min(self.RETRY_S, max(0.0, deadline - self._clock())))
             if self.dns is not None and not self._replicas:
-                self.resolve_now()
-            if self._sweeping.acquire(blocking=False):  # one sweep at a time, however many wait
-                try:
-                    self.check_now()
-                finally:
-                    self._sweeping.release()
+                await self.resolve_now()
+            if not self._sweeping.locked():  # one sweep at a time, however many wait
+                async with self._sweeping:
+                    await self.check_now()
 
     def _pick(self, excluded: set[str], pin: bool, suspects: bool) -> Replica:
         with self._lock:
@@ -380,26 +411,24 @@ class ReplicaPool:
             if replica is not None and replica.healthy and replica.reason == NOT_CHECKED:
                 replica.reason = ""
 
-    def check_now(self) -> list[ReplicaStatus]:
-        """One health sweep over every replica, on the caller's thread; the pool after it."""
+    async def check_now(self) -> list[ReplicaStatus]:
+        """One health sweep over every replica, all asked at once; the pool after it."""
         with self._lock:
             replicas = list(self._replicas.values())
-        waiting = [(r, self._start_check(r)) for r in replicas]
-        answers = [(r, wait()) for r, wait in waiting]
+        answers = await asyncio.gather(*(self._check(r) for r in replicas))
         with self._lock:
-            for replica, (healthy, reason) in answers:
+            for replica, (healthy, reason) in zip(replicas, answers, strict=True):
                 if healthy and self._clock() < replica.out_until:
                     continue  # it hung on a call: out for a while, whatever its health says
                 self._set_health(replica, healthy, reason)
                 replica.suspect = False
         return self.snapshot()
 
-    def _start_check(self, replica: Replica) -> Callable[[], Health]:
+    async def _check(self, replica: Replica) -> Health:
         try:
-            return self._checker(replica.client)
+            return await self._checker(replica.client)
         except Exception as e:  # a checker's bug must not stop the sweep of the others
-            failed: Health = (False, f"health check failed: {type(e).__name__}: {e}")
-            return lambda: failed
+            return False, f"health check failed: {type(e).__name__}: {e}"
 
     def _set_health(self, replica: Replica, healthy: bool, reason: str) -> None:
         if replica.healthy and not healthy:
@@ -410,29 +439,38 @@ class ReplicaPool:
 
     # -------------------------------------------------------------- DNS
 
-    def resolve_now(self) -> None:
+    async def resolve_now(self) -> None:
         """Look the dns:/// name up again: new addresses join (unchecked), those
         gone leave once no session is pinned to them. A failed lookup changes
         nothing: a DNS hiccup must not empty the pool."""
         if self.dns is None:
             return
-        with self._resolving:
-            try:
-                found = set(self._resolver(self.dns.name, self.dns.port))
-            except OSError as e:
-                with self._lock:
-                    self._resolved_at, self._lookup_error = self._clock(), str(e)
-                log.warning("%s replicas: looking up %s failed (%s); keeping the %d known", self.role, self.spec,
-                            e, len(self._replicas))
-                return
-            gone, new = self._apply_lookup(found)
-            added = [r for r in (self._new_replica(address) for address in new) if r is not None]
+        async with self._resolving:
+            await self._lookup(self.dns)
+
+    async def _first_lookup(self) -> None:
+        """The first lookup, once, however many picks arrive before it ends."""
+        async with self._resolving:
+            if self._resolved_at == float("-inf") and self.dns is not None:
+                await self._lookup(self.dns)
+
+    async def _lookup(self, dns: DnsName) -> None:
+        try:
+            # The resolver blocks (getaddrinfo): a worker thread waits for it, not the loop.
+            found = set(await asyncio.to_thread(self._resolver, dns.name, dns.port))
+        except OSError as e:
             with self._lock:
-                if not self._stop.is_set():
-                    self._replicas.update((r.address, r) for r in added)
-                    added = []
-            for replica in gone + added:  # added only if the pool closed meanwhile
-                _close(replica.client)
+                self._resolved_at, self._lookup_error = self._clock(), str(e)
+            log.warning("%s replicas: looking up %s failed (%s); keeping the %d known", self.role, self.spec,
+                        e, len(self._replicas))
+            return
+        if self._stop.is_set():
+            return  # the pool closed during the lookup: no client to make now
+        gone, new = self._apply_lookup(found)
+        added = [r for r in (self._new_replica(address) for address in new) if r is not None]
+        with self._lock:
+            self._replicas.update((r.address, r) for r in added)
+        await asyncio.gather(*(_close(replica.client) for replica in gone))
         if gone or new:
             log.info("%s replicas of %s: %s joined, %s left", self.role, self.spec, new or "none",
                      [r.address for r in gone] or "none")
@@ -457,7 +495,7 @@ class ReplicaPool:
     # -------------------------------------------------------------- the rest
 
     def snapshot(self) -> list[ReplicaStatus]:
-        """Every replica, by address, for metrics and logs."""
+        """Every replica, by address, for metrics and logs (from any thread)."""
         with self._lock:
             return [ReplicaStatus(r.address, r.healthy, r.load, self._note(r)) for r in self._sorted()]
 
@@ -470,32 +508,48 @@ class ReplicaPool:
     def _sorted(self) -> list[Replica]:
         return sorted(self._replicas.values(), key=lambda r: r.address)
 
-    def _run(self, interval_s: float) -> None:
+    async def _run(self, interval_s: float) -> None:
         while True:
             try:
                 # An empty pool looks again at every sweep: its first pods may just have come up.
                 due = self._clock() - self._resolved_at >= self.resolve_interval_s or not self._replicas
                 if self.dns is not None and due:
-                    self.resolve_now()
-                self.check_now()
-            except Exception:  # the thread outlives any one bad sweep
+                    await self.resolve_now()
+                await self.check_now()
+            except Exception:  # the task outlives any one bad sweep
                 log.exception("%s replicas: health sweep failed", self.role)
-            if self._stop.wait(interval_s):
+            if await self._wait_stop(interval_s):
                 return
 
-    def close(self) -> None:
+    async def _wait_stop(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the pool closes meanwhile; True if it did."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
         """Stop checking and close every replica's client."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # (not `await task`: that would raise its CancelledError here)
         with self._lock:
             replicas, self._replicas = list(self._replicas.values()), {}
-        for replica in replicas:
-            _close(replica.client)
+        await asyncio.gather(*(_close(replica.client) for replica in replicas))
 
 
-def _close(client) -> None:
+def _loop_running() -> bool:
     try:
-        client.close()
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def _close(client) -> None:
+    try:
+        await client.close()
     except Exception as e:  # closing is best effort; the next one must still be closed
         log.warning("closing the client of %s failed: %s", getattr(client, "address", client), e)

@@ -20,10 +20,11 @@ the writer's token: a coordinator that stalled past its lease while another took
 over finds another token there and writes nothing (a fencing token). A
 coordinator that dies holds its sessions for at most the lease time.
 
-The coordinator's round loop is synchronous (it runs on worker threads); this
-module runs redis-py's asyncio client on an event loop of its own, on a
-daemon thread, and waits for each command there with a short deadline, so an
-unreachable Redis fails a request within about a second with UNAVAILABLE.
+Everything runs on the caller's event loop (the coordinator's one loop), with
+redis-py's asyncio client: each command is awaited with a short deadline
+(``timeout_s``), so an unreachable Redis fails a request within about a second
+with UNAVAILABLE; the leases a request holds are renewed by one task on that
+loop, started by the first lease taken and cancelled by :meth:`RedisDirectory.close`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ import contextlib
 import hashlib
 import json
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import redis.asyncio
 import redis.exceptions
@@ -108,6 +108,12 @@ def session_keys(session_id: str) -> dict[str, str]:
 
 
 class RedisDirectory:
+    """The session directory in Redis, on the caller's event loop (see the module docstring).
+
+    It may be made with or without a running loop: redis-py opens its
+    connections on first use, and they belong to the loop that used them first,
+    so one directory serves one event loop."""
+
     def __init__(self, url: str, *, ttl_s: float, lease_s: float = 5.0, lease_wait_s: float = 2.0,
                  timeout_s: float = 1.0, metrics=None):
         if not url.startswith(("redis://", "rediss://", "unix://")):
@@ -118,11 +124,9 @@ class RedisDirectory:
         self.lease_ms = int(lease_s * 1000)
         self.lease_wait_s, self.timeout_s = lease_wait_s, timeout_s
         self._local = SessionLeases()  # one request per session in this process, as in memory
-        self._held: dict[int, tuple[str, Lease]] = {}  # id(lease) -> (lease key, lease), renewed in the background
+        self._held: dict[int, tuple[str, Lease]] = {}  # id(lease) -> (lease key, lease), renewed by the keeper
+        self._keeper: asyncio.Task | None = None  # renews self._held; started by the first lease taken
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="redis-directory", daemon=True)
-        self._thread.start()
         # One quick retry: the first command after Redis restarted finds the
         # pooled connection dead and reconnects; a Redis that stays down fails fast.
         self._redis = redis.asyncio.from_url(url, socket_timeout=timeout_s / 2, socket_connect_timeout=timeout_s / 2,
@@ -130,12 +134,11 @@ class RedisDirectory:
         self._scripts = {name: self._redis.register_script(lua) for name, lua in
                          (("acquire", _ACQUIRE), ("renew", _RENEW), ("release", _RELEASE), ("write", _WRITE),
                           ("add_delta", _ADD_DELTA), ("delete", _DELETE))}
-        self._keeper = asyncio.run_coroutine_threadsafe(self._keep_leases(), self._loop)
 
     # ------------------------------------------------------------------ records
 
-    def get(self, session_id: str) -> SessionRecord | None:
-        session, turn, deltas = self._call("read", self._read(session_keys(session_id)))
+    async def get(self, session_id: str) -> SessionRecord | None:
+        session, turn, deltas = await self._call("read", self._read(session_keys(session_id)))
         if session is None:
             return None
         turn = json.loads(turn) if turn else None
@@ -150,60 +153,61 @@ class RedisDirectory:
             (session, turn), deltas = await pipe.execute()
         return session, turn, deltas
 
-    def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
+    async def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
         record.updated_at = time.time()
         turn = record.turn_dict()
         deltas = turn.pop("deltas") if turn is not None else []
         deltas = ["keep"] if keep_deltas else ["replace", *map(_json, deltas)]
-        written = self._script("write", record.session_id, lease, self.ttl_ms, _json(record.session_dict()),
-                               "-" if turn is None else _json(turn), *deltas)
+        written = await self._script("write", record.session_id, lease, self.ttl_ms, _json(record.session_dict()),
+                                     "-" if turn is None else _json(turn), *deltas)
         if not written:
             raise _lost(record.session_id)
 
-    def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
+    async def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
         index = len(record.turn.deltas) - 1
-        added = self._script("add_delta", record.session_id, lease, self.ttl_ms, index,
-                             _json(record.turn.deltas[-1]))
+        added = await self._script("add_delta", record.session_id, lease, self.ttl_ms, index,
+                                   _json(record.turn.deltas[-1]))
         if added == 0:
             raise _lost(record.session_id)
         if added < 0:  # out of step with what is stored: write the whole record
-            self.put(record, lease)
+            await self.put(record, lease)
 
-    def delete(self, session_id: str, lease: Lease | None) -> bool:
-        deleted = self._script("delete", session_id, lease)
+    async def delete(self, session_id: str, lease: Lease | None) -> bool:
+        deleted = await self._script("delete", session_id, lease)
         if deleted < 0:
             raise _lost(session_id)
         return deleted > 0
 
-    def _script(self, name: str, session_id: str, lease: Lease | None, *args) -> int:
+    async def _script(self, name: str, session_id: str, lease: Lease | None, *args) -> int:
         """One of the scripts that write, on the session's keys, with the writer's token."""
         keys = session_keys(session_id)
-        return self._call(name, self._scripts[name](
+        return await self._call(name, self._scripts[name](
             keys=[keys["lease"], keys["session"], keys["turn"], keys["deltas"]], args=[_token(lease), *args]))
 
     # ------------------------------------------------------------------ leases
 
-    @contextlib.contextmanager
-    def hold(self, session_id: str, cancelled: threading.Event | None = None,
-             wait_s: float | None = None) -> Iterator[Lease | None]:
-        with self._local.hold(session_id, cancelled) as held:
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str, cancelled: asyncio.Event | None = None,
+                   wait_s: float | None = None) -> AsyncIterator[Lease | None]:
+        async with self._local.hold(session_id, cancelled) as held:
             if not held or not session_id:  # cancelled first; or one-shot: nothing stored
                 yield Lease(session_id) if held else None
                 return
-            lease = self._acquire(session_id, self.lease_wait_s if wait_s is None else wait_s, cancelled)
+            lease = await self._acquire(session_id, self.lease_wait_s if wait_s is None else wait_s, cancelled)
+            self._start_keeper()
             self._held[id(lease)] = (session_keys(session_id)["lease"], lease)
             try:
                 yield lease
             finally:
                 del self._held[id(lease)]
-                self._release(lease)
+                await self._release(lease)
 
-    def _acquire(self, session_id: str, wait_s: float, cancelled: threading.Event | None) -> Lease:
+    async def _acquire(self, session_id: str, wait_s: float, cancelled: asyncio.Event | None) -> Lease:
         keys = session_keys(session_id)
         deadline = time.monotonic() + wait_s
         while True:
             nonce = uuid.uuid4().hex[:16]
-            token = self._call("lease", self._scripts["acquire"](
+            token = await self._call("lease", self._scripts["acquire"](
                 keys=[keys["lease"], keys["fence"]], args=[self.lease_ms, self.ttl_ms, nonce]))
             if token:
                 return Lease(session_id, int(token), nonce)
@@ -213,14 +217,19 @@ class RedisDirectory:
                 raise errors.FailedPrecondition(
                     f"session {session_id!r} is busy on another coordinator (a request there holds it); "
                     f"send this one when that request has ended")
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)  # the holder ends, or its lease expires: try again
 
-    def _release(self, lease: Lease) -> None:
+    async def _release(self, lease: Lease) -> None:
         try:
-            self._call("release", self._scripts["release"](
+            await self._call("release", self._scripts["release"](
                 keys=[session_keys(lease.session_id)["lease"]], args=[_token(lease)]))
         except errors.Unavailable as e:  # it expires by itself
             log.warning("could not release the lease of a session: %s", e)
+
+    def _start_keeper(self) -> None:
+        """Start renewing leases, on the loop taking them (the one this directory serves)."""
+        if self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="redis-directory-leases")
 
     async def _keep_leases(self) -> None:
         """Renew every held lease each third of the lease time."""
@@ -236,22 +245,22 @@ class RedisDirectory:
 
     # ------------------------------------------------------------------ plumbing
 
-    def check(self) -> None:
-        self._call("ping", self._redis.ping())
+    async def check(self) -> None:
+        await self._call("ping", self._redis.ping())
 
-    def _call(self, op: str, coroutine):
-        """Run one operation (``op``: a key of _WHAT) on the directory's loop, within the timeout."""
+    async def _call(self, op: str, coroutine):
+        """Await one operation (``op``: a key of _WHAT) within the timeout, its
+        failures translated to Unavailable."""
         what = _WHAT[op]
         if self._closed:
             coroutine.close()
             raise errors.Unavailable(f"the session directory (Redis at {self.where}) is closed: the coordinator "
                                      "is shutting down")
         started = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            result = future.result(timeout=self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                result = await coroutine
         except TimeoutError:
-            future.cancel()
             self._count_error(op)
             raise errors.Unavailable(f"the session directory (Redis at {self.where}) did not answer within "
                                      f"{self.timeout_s:g} s when asked to {what}") from None
@@ -267,15 +276,16 @@ class RedisDirectory:
         if self.metrics is not None:
             self.metrics.directory_errors.labels(op).inc()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._keeper.cancel()
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._redis.aclose(), self._loop).result(timeout=self.timeout_s)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=self.timeout_s)
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.wait([self._keeper], timeout=self.timeout_s)  # off its connection before they close
+        with contextlib.suppress(Exception):  # shutting down: Redis may be gone already
+            async with asyncio.timeout(self.timeout_s):
+                await self._redis.aclose()
 
 
 # Each operation, as the error messages name it.

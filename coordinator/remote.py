@@ -1,13 +1,15 @@
-"""gRPC clients of the draft and target services, shaped as the round loop's
-Proposer and Verifier (specdec.core.rounds), so the coordinator runs the very same
-round as the in-process decoder.
+"""gRPC clients of the draft and target services (``grpc.aio``, on the
+coordinator's event loop), shaped as the round machine's asynchronous Proposer
+and Verifier (specdec.core.rounds), so the coordinator runs the very same round
+as the in-process decoder.
 
 Every call carries a deadline and the session's round id, and goes to the
 turn's replica of its role (:mod:`coordinator.pinning`). When a service answers
-NOT_FOUND (it evicted the session, or restarted), the call is repeated once from
-position 0 with the whole token history: the service re-pre-fills and the round
-goes on as if nothing happened -- the output cannot change, because the history
-is exactly what the service held before (and the coordinator first checks that
+NOT_FOUND (it evicted the session, or restarted), the side reports the session
+lost and the round machine asks again from position 0 with the whole token
+history: the service re-pre-fills and the round goes on as if nothing happened
+-- the output cannot change, because the history is exactly what the service
+held before (and the coordinator first checks that
 the service still serves the same model: a restart loses sessions too).
 
 A replica that fails (UNAVAILABLE, a deadline, a call cancelled as it shuts
@@ -22,18 +24,17 @@ goes on with the drafts that arrived, the next on another draft or at γ = 0.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
-import grpc.experimental  # ChannelOptions; not loaded by `import grpc` alone
 
 from coordinator.pinning import Pinned
 from coordinator.pools import Replica
-from specdec.core.interfaces import DraftToken, PassLoad, Propose, SessionLost, SessionState, Verdict, Verify
+from specdec.core.interfaces import DraftToken, PassLoad, Propose, SessionLost, Verdict, Verify
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
@@ -47,21 +48,19 @@ log = logging.getLogger("specdec.coordinator")
 # Generous message limits: a dense q is vocab × γ × 4 bytes (4 MB at 128k × 8).
 # Reconnect quickly: a restarted (or late-starting) service is picked up within a
 # couple of seconds instead of after gRPC's default backoff of up to two minutes.
-# Read Propose's stream on the calling thread: by default grpc starts a thread
-# per streaming call and hands every message over to the reader, ~0.2 ms of the
-# coordinator's CPU per round.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 
 
 class ServiceClient:
-    """One draft or target service: channel, stub, deadlines, error translation."""
+    """One draft or target service: channel, stub, deadlines, error translation.
+    Its channel is a ``grpc.aio`` one: made, used and closed on the
+    coordinator's event loop."""
 
     def __init__(self, role: str, address: str, *, call_timeout_s: float, info_timeout_s: float, metrics=None,
                  credentials: Callable[[], grpc.ChannelCredentials] | None = None, server_name: str = ""):
@@ -73,7 +72,8 @@ class ServiceClient:
         # name the service's certificate must carry when the address (an IP) is not it.
         self._credentials, self._server_name = credentials, server_name
         self._lost: list[Callable[[], None]] = []  # on_connection_lost callbacks
-        self._watcher = None  # the connectivity callback of the current channel
+        self._watch: asyncio.Task | None = None  # follows the current channel's connectivity
+        self._closing: set[asyncio.Task] = set()
         # Each call traced and timed when telemetry is on (``metrics``: a CoordinatorMetrics).
         self.calls = ClientCalls(role, DRAFT_SERVICE if role == "draft" else TARGET_SERVICE, metrics)
         self.timed_out_at = float("-inf")  # when a call last ran out its deadline
@@ -81,45 +81,47 @@ class ServiceClient:
 
     def _open(self, credentials: grpc.ChannelCredentials | None) -> None:
         if credentials is None:
-            channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         else:
             named = [("grpc.ssl_target_name_override", self._server_name)] if self._server_name else []
-            channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS + named)
-        previous = [None]
-
-        def changed(state: grpc.ChannelConnectivity) -> None:
-            if previous[0] == grpc.ChannelConnectivity.READY and state != grpc.ChannelConnectivity.READY:
-                self._connection_lost(channel)
-            previous[0] = state
-
+            channel = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS + named)
         self.channel, self._in_use = channel, credentials
         self.stub = (pb_grpc.DraftServiceStub if self.role == "draft" else pb_grpc.TargetServiceStub)(channel)
-        channel.subscribe(changed)
-        self._watcher = changed
+        self._watch = asyncio.get_running_loop().create_task(self._follow(channel))
 
-    def _connection_lost(self, channel: grpc.Channel) -> None:
-        """The channel left READY (on a grpc thread). Its calls have failed or it
-        went idle, so if the TLS files were renewed meanwhile, this is when a new
-        channel takes over: the next connection presents the renewed
-        certificate, not the one this channel was made with (which expires)."""
+    async def _follow(self, channel: grpc.aio.Channel) -> None:
+        """Call the on_connection_lost callbacks whenever ``channel`` leaves READY."""
+        previous = channel.get_state()
+        while channel is self.channel:
+            await channel.wait_for_state_change(previous)
+            state = channel.get_state()
+            if previous == grpc.ChannelConnectivity.READY and state != grpc.ChannelConnectivity.READY:
+                self._connection_lost(channel)
+            previous = state
+
+    def _connection_lost(self, channel: grpc.aio.Channel) -> None:
+        """The channel left READY. Its calls have failed or it went idle, so if
+        the TLS files were renewed meanwhile, this is when a new channel takes
+        over: the next connection presents the renewed certificate, not the one
+        this channel was made with (which expires)."""
         renewed = self._credentials() if self._credentials else None
         if channel is self.channel and renewed is not self._in_use:
-            old, watcher = self.channel, self._watcher
             self._open(renewed)
             log.info("%s service %s: reconnecting with renewed TLS credentials", self.role, self.address)
-            # closed off this grpc callback thread
-            threading.Thread(target=_close_channel, args=(old, watcher), daemon=True).start()
+            closing = asyncio.get_running_loop().create_task(channel.close(grace=None))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         for lost in self._lost:
             lost()
 
     def on_connection_lost(self, lost: Callable[[], None]) -> None:
-        """Call ``lost()`` (on a grpc thread) whenever the channel leaves READY:
+        """Call ``lost()`` (on the event loop) whenever the channel leaves READY:
         the connection dropped, so what answers next may be another process (a
         restart, perhaps with another model or other limits) or, after the
         channel's idle timeout, the same one."""
         self._lost.append(lost)
 
-    def model_info(self) -> pb.ModelInfo:
+    async def model_info(self) -> pb.ModelInfo:
         """A service that is still starting (not listening yet, or loading its
         model and answering UNAVAILABLE) gets until the deadline. Round calls do
         not wait: a dead service must fail them at once."""
@@ -127,14 +129,15 @@ class ServiceClient:
         while True:
             try:
                 with self.calls.call("GetModelInfo") as call:
-                    return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()),
-                                                  wait_for_ready=True, metadata=call.metadata)
+                    return await self.stub.GetModelInfo(
+                        pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
+                        metadata=call.metadata)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 > deadline:
                     raise self.translate(e, "GetModelInfo") from None
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
 
-    def end_session(self, session_id: str) -> bool:
+    async def end_session(self, session_id: str) -> bool:
         """Free the session's state in the service; best effort (a dead service
         holds nothing to free), so failures are logged, not raised."""
         # A service that just let a round call run out its deadline (hung, or
@@ -143,14 +146,15 @@ class ServiceClient:
         hung = time.monotonic() - self.timed_out_at < self.call_timeout_s
         try:
             with self.calls.call("EndSession") as call:
-                return self.stub.EndSession(pb.EndSessionRequest(session_id=session_id),
-                                            timeout=min(1.0, self.info_timeout_s) if hung else self.info_timeout_s,
-                                            metadata=call.metadata).existed
+                reply = await self.stub.EndSession(
+                    pb.EndSessionRequest(session_id=session_id),
+                    timeout=min(1.0, self.info_timeout_s) if hung else self.info_timeout_s, metadata=call.metadata)
+                return reply.existed
         except grpc.RpcError as e:
             log.warning("EndSession(%s) on %s service %s failed: %s", shown(session_id), self.role, self.address,
                         _details(e))
             return False
-        except ValueError as e:  # the channel is closed: the coordinator is shutting down
+        except (ValueError, RuntimeError, grpc.aio.UsageError) as e:  # the channel is closed: shutting down
             log.warning("EndSession(%s) on %s service %s not sent: %s (the service frees it after its TTL)",
                         shown(session_id), self.role, self.address, e)
             return False
@@ -174,15 +178,14 @@ class ServiceClient:
         err.args = (f"{where} failed {method}: {_details(e)}",)
         return err
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._lost.clear()
-        _close_channel(self.channel, self._watcher)
-
-
-def _close_channel(channel: grpc.Channel, watcher) -> None:
-    if watcher is not None:
-        channel.unsubscribe(watcher)
-    channel.close()
+        channel, self.channel = self.channel, None
+        if self._watch is not None:
+            self._watch.cancel()
+        await channel.close(grace=None)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def _details(e: grpc.RpcError) -> str:
@@ -226,7 +229,7 @@ class _Retries:
         self.repeat_until: float | None = None
         self.refilled = False
 
-    def after(self, e: grpc.RpcError, position: int, client: ServiceClient, session_id: str) -> str | None:
+    async def after(self, e: grpc.RpcError, position: int, client: ServiceClient, session_id: str) -> str | None:
         code = e.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             if self.repeat_until is None:
@@ -235,12 +238,12 @@ class _Retries:
                 log.info("%s service at %s unavailable (%s): repeating the call for up to %.1f s", client.role,
                          client.address, _details(e), window)
             if time.monotonic() < self.repeat_until:
-                time.sleep(self.REPEAT_AFTER_S)
+                await asyncio.sleep(self.REPEAT_AFTER_S)
                 return "repeat"
             return None
         if code == grpc.StatusCode.NOT_FOUND and not self.refilled and position > 0:
             self.refilled = True
-            self.before_refill(client)  # a lost session may mean another process: is it still the same model?
+            await self.before_refill(client)  # a lost session may mean another process: is it still the same model?
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",
                      client.role, shown(session_id), _details(e))
             return "refill"
@@ -250,14 +253,13 @@ class _Retries:
 @dataclasses.dataclass
 class RemoteSession:
     """What the proposer and the verifier of one turn share: the session's name
-    in the services, its committed state, its round ids, what to check before
-    re-pre-filling a service that lost it (may raise: see _Retries), whether a
-    replica may take the turn over (it serves the turn's model), and the metrics."""
+    in the services, what to check before re-pre-filling a service that lost it
+    (awaited; may raise: see _Retries), whether a replica may take the turn over
+    (awaited: it serves the turn's model), and the metrics."""
 
     key: str
-    state: SessionState
-    before_refill: Callable[[ServiceClient], None] = lambda client: None
-    may_take_over: Callable[[Replica], bool] = lambda replica: True
+    before_refill: Callable[[ServiceClient], Awaitable[None]]
+    may_take_over: Callable[[Replica], Awaitable[bool]]
     metrics: object = None  # a CoordinatorMetrics, or None
 
     def refilled(self, role: str, cause: str) -> None:
@@ -270,9 +272,9 @@ REPLICA_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADL
                               grpc.StatusCode.CANCELLED})
 
 
-def _move(pinned: Pinned, session: RemoteSession, cause: str, exclude: Iterable[str] = ()) -> bool:
+async def _move(pinned: Pinned, session: RemoteSession, cause: str, exclude: Iterable[str] = ()) -> bool:
     """Move the turn's ``pinned`` role to another replica that serves its model."""
-    if not pinned.move(cause, session.may_take_over, exclude):
+    if not await pinned.move(cause, session.may_take_over, exclude):
         return False
     session.refilled(pinned.role, "moved")
     return True
@@ -291,10 +293,10 @@ class RemoteProposer:
         self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
         self.target_vocab_size = target_vocab_size  # the draft proposes only ids the target holds too
 
-    def propose(self, call: Propose) -> Iterator[DraftToken]:
+    async def propose(self, call: Propose) -> AsyncIterator[DraftToken]:
         retries = _Retries(self.session.before_refill)
         if not self.pinned.fit():
-            if not _move(self.pinned, self.session, "unhealthy" if self.pinned.replica else "none left"):
+            if not await _move(self.pinned, self.session, "unhealthy" if self.pinned.replica else "none left"):
                 return
             raise SessionLost("draft", "moved")
         client = self.pinned.client
@@ -306,7 +308,7 @@ class RemoteProposer:
                 with client.calls.call("Propose") as rpc:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
                     messages = client.stub.Propose(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
-                    for message in messages:
+                    async for message in messages:
                         received += message.ByteSize()
                         if message.HasField("timing"):  # the last token: the call is complete
                             rpc.record(self._account(message.timing, call, time.perf_counter() - started,
@@ -318,7 +320,7 @@ class RemoteProposer:
             except grpc.RpcError as e:
                 if self._gave_up(e, client, yielded):
                     return
-                action = None if yielded else retries.after(e, call.position, client, self.session.key)
+                action = None if yielded else await retries.after(e, call.position, client, self.session.key)
                 if action is None:
                     raise client.translate(e, "Propose") from None
                 if action == "refill":
@@ -362,9 +364,9 @@ class RemoteVerifier:
         self.pinned, self.session, self.stats = pinned, session, stats
         self.full: set[str] = set()  # replicas that answered the turn RESOURCE_EXHAUSTED
 
-    def verify(self, call: Verify) -> Verdict:
+    async def verify(self, call: Verify) -> Verdict:
         retries = _Retries(self.session.before_refill)
-        if not self.pinned.fit() and _move(self.pinned, self.session, "unhealthy"):
+        if not self.pinned.fit() and await _move(self.pinned, self.session, "unhealthy"):
             raise SessionLost("target", "moved")
         client = self.pinned.client
         request = conv.verify_request(self.session.key, call.round_id, call.position, call.new_tokens, call.drafts,
@@ -373,14 +375,15 @@ class RemoteVerifier:
             try:
                 with client.calls.call("Verify") as rpc:
                     started = time.perf_counter()
-                    response = client.stub.Verify(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
+                    response = await client.stub.Verify(request, timeout=client.call_timeout_s,
+                                                        metadata=rpc.metadata)
                     record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,
                                                request.ByteSize(), response.ByteSize())
                     rpc.record(record)
                 break
             except grpc.RpcError as e:
-                self._moved_after(e, client)
-                action = retries.after(e, call.position, client, self.session.key)
+                await self._moved_after(e, client)
+                action = await retries.after(e, call.position, client, self.session.key)
                 if action is None:
                     raise client.translate(e, "Verify") from None
                 if action == "refill":
@@ -395,15 +398,15 @@ class RemoteVerifier:
         passes = PassLoad(t.batch_sequences, t.batch_tokens, t.pass_s) if t.batch_sequences else None
         return dataclasses.replace(conv.verdict_from_proto(response), passes=passes)
 
-    def _moved_after(self, e: grpc.RpcError, client: ServiceClient) -> None:
+    async def _moved_after(self, e: grpc.RpcError, client: ServiceClient) -> None:
         """A failed replica (or one at its KV budget) hands the turn to another
         healthy target that serves the same model: raises SessionLost when it did."""
         if e.code() in REPLICA_FAILURES:
             self.pinned.failed(f"Verify failed ({e.code().name}): {_details(e)}",
                                hung=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
-            if _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
+            if await _move(self.pinned, self.session, f"Verify failed ({e.code().name})"):
                 raise SessionLost("target", "moved") from None
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV budget: another may have room
             self.full.add(client.address)
-            if _move(self.pinned, self.session, "at its KV budget", self.full):
+            if await _move(self.pinned, self.session, "at its KV budget", self.full):
                 raise SessionLost("target", "moved") from None

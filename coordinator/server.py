@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 
@@ -42,11 +41,11 @@ class RunningCoordinator:
 
     server: GrpcServer
     engine: object
-    executor: concurrent.futures.ThreadPoolExecutor
     port: int
     telemetry: ServiceTelemetry | None = None
     servicer: object = None
     watcher: asyncio.Task | None = None  # the directory's reachability -> health
+    checking: asyncio.Task | None = None  # the first check of the model pair
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
@@ -61,12 +60,10 @@ class RunningCoordinator:
 
     async def finish_work(self) -> None:
         """After the server has stopped: give the requests it cut short up to the
-        info timeout to end their sessions in both services (a step queued for
-        one ends at once; a step in flight finishes its round), then stop the
-        rounds' threads and close the channels."""
-        for _ in range(10):  # the cancelled calls' handlers schedule their cleanups on this loop
-            await asyncio.sleep(0.01)
-        pending = set(self.servicer.cleanups) if self.servicer is not None else set()
+        info timeout to end their sessions in both services, then close the
+        channels."""
+        await asyncio.sleep(0.05)  # the cancelled calls' handlers start their cleanups on this loop
+        pending = set(self.servicer.turns) if self.servicer is not None else set()
         if pending:
             _, late = await asyncio.wait(pending, timeout=self.engine.config.info_timeout_s)
             if late:
@@ -74,8 +71,9 @@ class RunningCoordinator:
                             len(late), self.engine.config.info_timeout_s)
         if self.watcher is not None:
             self.watcher.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.close()
+        if self.checking is not None:
+            self.checking.cancel()
+        await self.engine.close()
 
 
 async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemetry | None = None) -> RunningCoordinator:
@@ -99,19 +97,19 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         if telemetry is not None:
             telemetry.close()
         raise
-    executor = concurrent.futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rounds")
+    # A dns:/// pool's first lookup, before the first request needs its replicas.
+    await asyncio.gather(*(pool.resolve_now() for pool in engine.pools.values()))
     tokens = parse_tokens(config.auth_tokens, config.auth_tokens_file)
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         metrics=telemetry.metrics if telemetry else None, tokens=tokens,
                         reflection=config.reflection, tls=config.server_tls, peers=config.peer_identities)
     limits = ClientLimits(config.client_max_streams, config.client_rate, config.client_burst)
-    servicer = CoordinatorServicer(engine, executor, max_streams=config.max_workers, limits=limits)
+    servicer = CoordinatorServicer(engine, max_streams=config.max_streams, limits=limits)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
         port = await bind_or_close(server, config, telemetry)
     except OSError:
-        executor.shutdown(wait=False)
-        engine.close()
+        await engine.close()
         raise
     await server.start()
     await server.set_serving(await directory_reachable(engine.directory))
@@ -125,15 +123,16 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
             log.warning("model pair not checked yet (%s); will check at the first request", future.exception())
 
     # In the background: the services may still be loading their models.
-    asyncio.get_running_loop().run_in_executor(executor, engine.pair).add_done_callback(checked)
+    checking = asyncio.create_task(engine.pair())
+    checking.add_done_callback(checked)
     watcher = asyncio.create_task(watch_directory(server, engine.directory)) if config.redis else None
-    return RunningCoordinator(server, engine, executor, port, telemetry, servicer, watcher)
+    return RunningCoordinator(server, engine, port, telemetry, servicer, watcher, checking)
 
 
 async def directory_reachable(directory, quiet: bool = False) -> bool:
     """Whether the session directory answers now (logged when it does not, unless ``quiet``)."""
     try:
-        await asyncio.to_thread(directory.check)
+        await directory.check()
         return True
     except errors.Unavailable as e:
         if not quiet:

@@ -9,10 +9,10 @@ the target's vocabulary changes. ``--tokenizer none``: no tokenizer, only
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pathlib
 import tempfile
-import threading
 
 import grpc
 
@@ -31,7 +31,7 @@ class TokenizerSource:
         self.directory = directory
         self.tokenizer = load_tokenizer(directory) if directory is not None else tokenizer
         self._fingerprint: str | None = None  # the vocabulary the fetched tokenizer is the target's of
-        self._lock = threading.Lock()
+        self._lock = asyncio.Lock()
         self._files: tempfile.TemporaryDirectory | None = None
 
     @classmethod
@@ -50,23 +50,23 @@ class TokenizerSource:
             raise ValueError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json in it")
         return cls(path)
 
-    def for_pair(self, fingerprint: str, target) -> object | None:
+    async def for_pair(self, fingerprint: str, target) -> object | None:
         """The tokenizer to use with a target whose vocabulary fingerprint is
         ``fingerprint``; fetched from ``target`` (a ServiceClient) when it must be."""
         if not self.from_target or fingerprint == self._fingerprint:
             return self.tokenizer
-        with self._lock:
+        async with self._lock:
             if fingerprint != self._fingerprint:
-                self.tokenizer = self._fetch(target)
+                self.tokenizer = await self._fetch(target)
                 self._fingerprint = fingerprint
         return self.tokenizer
 
-    def _fetch(self, target):
+    async def _fetch(self, target):
         from specdec.models.tokenizer import TOKENIZER_FILES, load_tokenizer
 
         files: dict[str, bytearray] = {}
         try:
-            for chunk in target.stub.GetTokenizer(pb.TokenizerRequest(), timeout=target.info_timeout_s):
+            async for chunk in target.stub.GetTokenizer(pb.TokenizerRequest(), timeout=target.info_timeout_s):
                 if chunk.file in TOKENIZER_FILES:  # a known file name, never a path
                     files.setdefault(chunk.file, bytearray()).extend(chunk.data)
         except grpc.RpcError as e:
@@ -80,7 +80,7 @@ class TokenizerSource:
         where = pathlib.Path(self._files.name)
         for name, data in files.items():
             (where / name).write_bytes(bytes(data))
-        tokenizer = load_tokenizer(where)
+        tokenizer = await asyncio.to_thread(load_tokenizer, where)  # not on the event loop: it takes a while
         log.info("tokenizer from the target at %s (%d files, vocabulary of %d)", target.address, len(files),
                  len(tokenizer) if tokenizer is not None else 0)
         return tokenizer

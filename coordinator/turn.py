@@ -16,12 +16,12 @@ request drops it, so the history is as before that turn.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 from coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
 from coordinator.learned_gamma import regime
@@ -32,7 +32,7 @@ from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, Si
 from coordinator.requests import Request
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
-from specdec.core.rounds import Limits, RoundMachine, run_rounds
+from specdec.core.rounds import Limits, RoundMachine, run_rounds_async
 from specdec.core.text import TextStream
 from specdec.serving import errors
 from specdec.serving.generation import Delta, GenerationStats
@@ -61,11 +61,11 @@ class Services:
             target = replica.client
         return draft, target
 
-    def serves(self, pair: PairInfo, replica: Replica) -> bool:
+    async def serves(self, pair: PairInfo, replica: Replica) -> bool:
         """Whether ``replica`` may take its role in the turn over: it answers,
         and serves what ``pair`` says of that role (only it is asked)."""
         try:
-            why = self.pairs.differs(pair, replica.client)
+            why = await self.pairs.differs(pair, replica.client)
         except errors.SpecdecError as e:
             log.warning("%s replica %s cannot take the turn over: %s", replica.client.role, replica.address, e)
             return False
@@ -74,12 +74,12 @@ class Services:
         return not why
 
 
-def open_record(directory: SessionDirectory, session_id: str) -> SessionRecord:
+async def open_record(directory: SessionDirectory, session_id: str) -> SessionRecord:
     """The session's record, stored or new ("" : a one-shot session, never
     stored). A new named session gets a fresh name in the services: what
     they may hold under an earlier record of this id (forgotten here, or
     another coordinator's) is not this session's history; their TTL frees it."""
-    record = directory.get(session_id) if session_id else None
+    record = await directory.get(session_id) if session_id else None
     if record is not None:
         return record
     if not session_id:
@@ -165,7 +165,7 @@ class Turn:
         """The session's name in the services."""
         return self.record.service_session_id
 
-    def run(self, cancelled: threading.Event, started: float) -> Iterator[Delta | GenerationStats]:
+    async def run(self, cancelled: asyncio.Event, started: float) -> AsyncIterator[Delta | GenerationStats]:
         """A Delta per round as soon as it commits, then the stats. ``cancelled``
         set (the client has gone): no round starts after it. Closing this
         generator early frees what the services hold for the turn."""
@@ -177,25 +177,27 @@ class Turn:
                 return
         elif self.named:
             self.record.turn = self.turn
-            self.directory.put(self.record, self.lease)  # resumable from its first round on
+            await self.directory.put(self.record, self.lease)  # resumable from its first round on
         text = self._text_stream()
         rounds = self._rounds(text)
         done = False
         try:
-            for result in rounds:
+            async for result in rounds:
                 self.rounds.append(result)
                 delta = text.take() if text is not None else ""
                 if result.tokens or delta:
-                    yield self._streamed(Delta(list(result.tokens), delta))
-                if cancelled.is_set():  # this step may have queued behind others
+                    yield await self._streamed(Delta(list(result.tokens), delta))
+                if cancelled.is_set():
                     return
             tail = text.finish() if text is not None else ""
             if tail:
-                yield self._streamed(Delta([], tail))
+                yield await self._streamed(Delta([], tail))
             done = True
         finally:
-            rounds.close()
-            self._settle(done)
+            if not done:  # cancelled or failed: a request waiting for the session knows this one is ending
+                cancelled.set()
+            await rounds.aclose()
+            await asyncio.shield(self._settle(done))
         yield self._stats(time.perf_counter() - started)
 
     def _text_stream(self) -> TextStream | None:
@@ -214,17 +216,16 @@ class Turn:
             text.finish()  # so was the text held back to the end (a delta of no tokens)
         return text
 
-    def _streamed(self, delta: Delta) -> Delta:
+    async def _streamed(self, delta: Delta) -> Delta:
         """Record the delta in the session's turn before the client gets it."""
         self.turn.deltas.append([delta.token_ids, delta.text])
         if self.named:
-            self.directory.add_delta(self.record, self.lease)
+            await self.directory.add_delta(self.record, self.lease)
         return delta
 
-    def _rounds(self, text: TextStream | None) -> Iterator[RoundResult]:
+    def _rounds(self, text: TextStream | None) -> AsyncIterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
-        session = RemoteSession(self.key, self.state,
-                                lambda client: services.pairs.check_unchanged(pair, client),
+        session = RemoteSession(self.key, lambda client: services.pairs.check_unchanged(pair, client),
                                 lambda replica: services.serves(pair, replica), services.metrics)
         proposer = None
         if self.drafting and services.draft is not None:
@@ -236,8 +237,7 @@ class Turn:
         self.machine = RoundMachine(self.state, params=self.params, gamma_policy=req.policy, limits=limits,
                                     drafting=proposer is not None, round_id=self.record.next_round_id,
                                     observer=services.observer)
-        return run_rounds(proposer, verifier, self.state, params=self.params, gamma_policy=req.policy,
-                          limits=limits, machine=self.machine)
+        return run_rounds_async(proposer, verifier, self.machine)
 
     def _complete(self, text: TextStream | None) -> str | None:
         """Why a resumed turn had already ended before it was cut short (its
@@ -257,7 +257,7 @@ class Turn:
             return self.rounds[-1].finish_reason
         return self.ended_before or "length"
 
-    def _settle(self, done: bool) -> None:
+    async def _settle(self, done: bool) -> None:
         """Commit the turn to the session's history, or leave it unfinished (and
         resumable) and free what the services hold (best effort)."""
         record, state = self.record, self.state
@@ -267,11 +267,11 @@ class Turn:
         if not done:
             log.info("%s: stopped after %d new tokens (cancelled or failed): ending it in both services; "
                      "the turn can be resumed, or is dropped by the next one", record.session_id, self.generated)
-            self._end_in_services(draft=True)
+            await self._end_in_services(draft=True)
             record.draft_synced = record.target_synced = 0  # re-pre-filled if the session continues
             if self.named:
                 try:
-                    self.directory.put(record, self.lease)
+                    await self.directory.put(record, self.lease)
                 except errors.SpecdecError as e:  # not to hide why the turn stopped; the next one starts fresh
                     log.warning("%s: the unfinished turn was not recorded: %s", record.session_id, e)
         elif self.named:
@@ -283,15 +283,14 @@ class Turn:
                 record.gamma_state = {"regime": list(regime(self.params, self.request.draft_top_k)),
                                       **self.request.policy.acceptance()}
             record.draft_synced, record.target_synced = state.draft_synced, state.target_synced
-            self.directory.put(record, self.lease, keep_deltas=True)  # added round by round
+            await self.directory.put(record, self.lease, keep_deltas=True)  # added round by round
         else:
-            self._end_in_services(draft=self.drafting)
+            await self._end_in_services(draft=self.drafting)
 
-    def _end_in_services(self, draft: bool) -> None:
+    async def _end_in_services(self, draft: bool) -> None:
         sides = [self.services.draft] if draft else []
-        for pinned in (*sides, self.services.target):
-            if pinned is not None and pinned.client is not None:
-                pinned.client.end_session(self.key)
+        clients = [p.client for p in (*sides, self.services.target) if p is not None and p.client is not None]
+        await asyncio.gather(*(client.end_session(self.key) for client in clients))
 
     @property
     def generated(self) -> int:

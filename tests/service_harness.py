@@ -99,3 +99,86 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class SyncEngine:
+    """The coordinator's asynchronous engine, driven from a test's thread: every
+    call runs on ``loop`` (where the engine was made, as its grpc.aio channels
+    need). ``generate`` returns a blocking iterator over the turn's events;
+    ``gone()`` makes a cancellation flag a test sets as the servicer would."""
+
+    def __init__(self, loop: LoopThread, make):
+        """``make``: a plain function building the engine, run on the loop."""
+        async def build():
+            return make()
+        self.loop = loop
+        self.engine = loop.call(build())
+        self.directory = _OnLoop(loop, self.engine.directory)
+        self.pools = {role: _OnLoop(loop, pool) for role, pool in self.engine.pools.items()}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, job, gone: Gone | None = None) -> SyncSteps:
+        return SyncSteps(self.loop, self.engine.generate(job, gone.event if gone else None))
+
+    def gone(self) -> Gone:
+        return Gone(self.loop)
+
+    def pair(self):
+        return self.loop.call(self.engine.pair())
+
+    def close_session(self, session_id: str) -> bool:
+        return self.loop.call(self.engine.close_session(session_id))
+
+    def close(self) -> None:
+        self.loop.call(self.engine.close())
+
+
+class Gone:
+    """A turn's cancellation flag (an asyncio.Event on the loop), set from a test's thread."""
+
+    def __init__(self, loop: LoopThread):
+        async def make():
+            return asyncio.Event()
+        self.loop, self.event = loop, loop.call(make())
+
+    def set(self) -> None:
+        async def set_it():
+            self.event.set()
+        self.loop.call(set_it())
+
+
+class SyncSteps:
+    """An async generator on the loop, iterated (and closed) from a test's thread."""
+
+    def __init__(self, loop: LoopThread, steps):
+        self.loop, self.steps = loop, steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return self.loop.call(self.steps.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self.loop.call(self.steps.aclose())
+
+
+class _OnLoop:
+    """An object whose coroutine methods are run on the loop and waited for."""
+
+    def __init__(self, loop: LoopThread, target):
+        self._loop, self._target = loop, target
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if not asyncio.iscoroutinefunction(value):
+            return value
+        return lambda *args, **kw: self._loop.call(value(*args, **kw))
+
+    def __len__(self) -> int:
+        return len(self._target)

@@ -256,8 +256,9 @@ class CoordinatorConfig(BaseServiceConfig):
     info_timeout_s: float = Field(
         10.0, gt=0, description="deadline of GetModelInfo/EndSession calls",
         json_schema_extra={"flag": "--info-timeout", "metavar": "SECONDS"})
-    max_workers: int = Field(64, gt=0, description="threads running round loops: the most Generate streams at "
-                             "once (more are refused with RESOURCE_EXHAUSTED and a retry-after hint)")
+    max_streams: int = Field(4096, gt=0, description="Generate streams this coordinator serves at once (each "
+                             "holds no thread: a few kB and its session's history); more are refused with "
+                             "RESOURCE_EXHAUSTED and a retry-after hint", json_schema_extra={"metavar": "N"})
     redis: str = Field(
         "", description="keep the session directory in Redis (redis://HOST:PORT/DB, rediss:// for TLS, "
         "unix://PATH), shared by every coordinator given the same URL; empty: in this process's memory",

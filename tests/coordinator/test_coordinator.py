@@ -29,6 +29,7 @@ from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob
 from specdec.serving.generation import GenerationStats as Stats
 
+from service_harness import LoopThread, SyncEngine, _OnLoop
 from tiny_models import add_byte_tokenizer
 
 TEXT = b"hello world, speculative decoding! "
@@ -144,6 +145,7 @@ def fakes():
     draft, target = FakeDraft(), FakeTarget()
     servers, engines = [], []
     addresses = []
+    loop = LoopThread()
     for servicer, add in ((draft, pb_grpc.add_DraftServiceServicer_to_server),
                           (target, pb_grpc.add_TargetServiceServicer_to_server)):
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
@@ -155,13 +157,14 @@ def fakes():
     def make_engine(tokenizer=None, **config):
         cfg = CoordinatorConfig(**{"draft": addresses[0], "target": addresses[1], "info_timeout_s": 5,
                                    "call_timeout_s": 5, **config})
-        engine = Coordinator(cfg, tokenizer=tokenizer)
+        engine = SyncEngine(loop, lambda: Coordinator(cfg, tokenizer=tokenizer))
         engines.append(engine)
         return engine
 
     yield draft, target, make_engine
     for e in engines:
         e.close()
+    loop.close()
     for s in servers:
         s.stop(None)
 
@@ -370,7 +373,7 @@ def test_a_request_waits_for_a_cancelled_one_on_its_session_to_end(fakes):
     _, _, make = fakes
     engine = make()
     run(engine, prompt_ids=(104,), max_new_tokens=2, session_id="chat")
-    gone = threading.Event()
+    gone = engine.gone()
     first = engine.generate(GenerateJob(prompt_ids=(105,), max_new_tokens=50, session_id="chat"), gone)
     next(first)
     with pytest.raises(errors.FailedPrecondition, match="already generating"):
@@ -386,15 +389,13 @@ def test_a_cancelled_request_runs_no_more_rounds_and_marks_no_other(fakes):
     """A step of a request whose client has gone (queued behind others) ends
     at once without a round; a request cancelled before it got its session
     does nothing and leaves the request that holds it as it is."""
-    import threading
-
     draft, target, make = fakes
     engine = make()
-    gone = threading.Event()
+    gone = engine.gone()
     a = engine.generate(GenerateJob(prompt_ids=(104,), max_new_tokens=50, session_id="s",
                                     gamma_policy="static:2"), gone)
     next(a)
-    b_gone = threading.Event()
+    b_gone = engine.gone()
     b_gone.set()
     assert list(engine.generate(GenerateJob(prompt_ids=(1,), max_new_tokens=2, session_id="s"), b_gone)) == []
     started = time.monotonic()
@@ -481,8 +482,9 @@ def restartable():
     draft_server, draft_port = _serve(draft, pb_grpc.add_DraftServiceServicer_to_server)
     servers = [draft_server, *_serve(FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)]
     target_port = servers.pop()
-    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}",
-                                           info_timeout_s=5, call_timeout_s=5))
+    loop = LoopThread()
+    engine = SyncEngine(loop, lambda: Coordinator(CoordinatorConfig(
+        draft=f"127.0.0.1:{draft_port}", target=f"127.0.0.1:{target_port}", info_timeout_s=5, call_timeout_s=5)))
 
     def restart_target(fake: FakeTarget) -> None:
         servers.pop().stop(None)
@@ -494,6 +496,7 @@ def restartable():
 
     yield draft, engine, restart_target
     engine.close()
+    loop.close()
     for server in servers:
         server.stop(None)
 
@@ -540,14 +543,14 @@ def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
     from coordinator.service import CoordinatorServicer
 
     class SlowEngine:
-        def generate(self, job, gone):
+        async def generate(self, job):
             yield Delta([1], "a")
-            time.sleep(0.3)  # the grace runs out meanwhile
+            await asyncio.sleep(0.3)  # the grace runs out meanwhile
             yield Delta([2], "b") if job.max_new_tokens > 2 else Stats(
                 "", "length", 1, 1, 1, 0, 0, [0], [0], 0.3, 3.3, 1, 0)
 
     async def turn(max_new_tokens: int) -> list:
-        servicer = CoordinatorServicer(SlowEngine(), concurrent.futures.ThreadPoolExecutor(2))
+        servicer = CoordinatorServicer(SlowEngine())
         got = []
         try:
             async for message in servicer.Generate(pb.GenerateRequest(prompt_ids=[1], max_new_tokens=max_new_tokens),
@@ -566,12 +569,14 @@ def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
 
 def test_unreachable_service_is_unavailable_naming_it():
     cfg = CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2", info_timeout_s=0.5)
-    engine = Coordinator(cfg)
+    loop = LoopThread()
+    engine = SyncEngine(loop, lambda: Coordinator(cfg))
     try:
         with pytest.raises(errors.Unavailable, match=r"draft (service at |replica: )127\.0\.0\.1:1"):
             run(engine, prompt_ids=(1,), max_new_tokens=2)
     finally:
         engine.close()
+        loop.close()
 
 
 def test_text_prompts_need_a_tokenizer(fakes):
@@ -617,7 +622,7 @@ def test_gamma_policies():
 
 
 def test_directory_stores_copies():
-    d = InMemoryDirectory()
+    d = _OnLoop(LoopThread(), InMemoryDirectory())
     record = SessionRecord("a", tokens=[1, 2], draft_synced=1)
     d.put(record)
     record.tokens.append(3)
@@ -626,7 +631,7 @@ def test_directory_stores_copies():
     got.tokens.append(9)
     assert d.get("a").tokens == [1, 2]
     assert d.delete("a") is True and d.get("a") is None and d.delete("a") is False
-    small = InMemoryDirectory(max_records=2)
+    small = _OnLoop(LoopThread(), InMemoryDirectory(max_records=2))
     for sid in ("x", "y", "x", "z"):  # x rewritten after y: y is the least recent
         small.put(SessionRecord(sid))
     assert small.get("y") is None and small.get("x") is not None and len(small) == 2
@@ -659,7 +664,8 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
 
     from specdec.core.interfaces import RoundResult, SamplingParams
 
-    engine = Coordinator(CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2"))
+    loop = LoopThread()
+    engine = SyncEngine(loop, lambda: Coordinator(CoordinatorConfig(draft="127.0.0.1:1", target="127.0.0.1:2")))
     try:
         greedy = GenerateJob(prompt_ids=(1,), gamma_policy="adaptive")
         sampled = GenerateJob(prompt_ids=(1,), sampling=SamplingParams(temperature=0.8, seed=1))
@@ -689,6 +695,7 @@ def test_adaptive_requests_start_from_what_their_regime_learnt():
         assert engine.learned.warm_start(fresh(), key(hotter)).cost() is None
     finally:
         engine.close()
+        loop.close()
 
 
 def test_the_first_request_teaches_the_next_ones_nothing(fakes):

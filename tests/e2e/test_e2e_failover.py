@@ -34,7 +34,7 @@ def pools(models, tmp_path_factory):
         procs["C"] = Proc("coordinator", ["coordinator", "--draft", drafts, "--target", targets,
                                           "--tokenizer", str(target), "--call-timeout", "10"], logdir)
         procs["C1"] = Proc("coordinator-one-worker", ["coordinator", "--draft", drafts, "--target", targets,
-                                                      "--tokenizer", str(target), "--max-workers", "1"], logdir)
+                                                      "--tokenizer", str(target), "--max-streams", "1"], logdir)
         yield procs.ready()
 
 
@@ -71,11 +71,11 @@ def stream_with_fault(procs, fault, policy="static:3"):
     return got, stats
 
 
-def test_streams_beyond_max_workers_are_refused_with_a_retry_hint(pools, reference):
+def test_streams_beyond_max_streams_are_refused_with_a_retry_hint(pools, reference):
     with Client(pools["C1"].address, timeout=60) as c:
         stream = c.generate(prompt_ids=IDS, max_new_tokens=N, gamma_policy="static:0")
         next(stream)
-        with pytest.raises(errors.ResourceExhausted, match="--max-workers 1") as exc:
+        with pytest.raises(errors.ResourceExhausted, match="--max-streams 1") as exc:
             c.complete(prompt_ids=IDS, max_new_tokens=4)
         assert exc.value.retry_after_s == 1.0
         got = sum(len(e.token_ids) for e in stream if isinstance(e, Delta))

@@ -6,6 +6,7 @@ NOT_SERVING health until it is back."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -20,6 +21,8 @@ from coordinator.redis_directory import RedisDirectory
 from specdec import SpeculativeDecoder
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta
+
+from service_harness import LoopThread
 
 LEASE = ("--lease", "1")  # a killed coordinator's sessions are free again after 1 s
 
@@ -76,17 +79,32 @@ def test_the_lease_keeps_a_second_coordinator_off_a_session(stack, reference):
     """Another coordinator (here: the test, through the same directory code)
     holds the session's lease: B waits briefly, then refuses, saying why."""
     procs, redis, _ = stack
+    loop = LoopThread()  # the other coordinator's event loop: it renews the lease while held
     other = RedisDirectory(redis.url, ttl_s=60, lease_s=1.0)
+    held, done = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        async with other.hold("leased"):
+            held.set()
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+
+    holding = asyncio.run_coroutine_threadsafe(hold(), loop.loop)
     try:
-        with Client(procs["B"].address, timeout=60) as b, other.hold("leased"):
+        assert held.wait(10)
+        with Client(procs["B"].address, timeout=60) as b:
             started = time.monotonic()
             with pytest.raises(errors.FailedPrecondition, match="busy on another coordinator"):
                 b.complete(prompt_ids=[40], max_new_tokens=4, session_id="leased")
             assert time.monotonic() - started < 5  # it waits briefly, not a call deadline
+        done.set()
+        holding.result(10)
         with Client(procs["B"].address, timeout=60) as b:  # released: B takes it
             assert len(b.complete(prompt_ids=[40], max_new_tokens=4, session_id="leased").token_ids) == 4
     finally:
-        other.close()
+        done.set()
+        loop.call(other.close())
+        loop.close()
 
 
 def test_a_coordinator_killed_mid_stream_is_resumed_through_another(stack, models, reference):

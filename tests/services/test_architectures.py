@@ -68,7 +68,7 @@ class Stack:
     def close(self) -> None:
         self.client.close()
         self.loop.call(self.coordinator.server.stop())
-        self.coordinator.engine.close()
+        self.loop.call(self.coordinator.engine.close())
         for service in self.services:
             self.loop.call(service.stop())
 

@@ -24,7 +24,7 @@ from specdec.serving import convert as pc
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob
 
-from service_harness import LoopThread, channel, start_service
+from service_harness import LoopThread, SyncEngine, channel, start_service
 from tiny_models import make_noisy_copy, make_tiny_llama
 
 SESSIONS = 16
@@ -50,8 +50,8 @@ def stack(pair):
     for service in services:  # record how many sessions each pass held
         scheduler = service.host.scheduler
         scheduler.on_pass = lambda stats, role=service.host.config.role: passes.append((role, stats.sequences))
-    engine = Coordinator(CoordinatorConfig(draft=f"127.0.0.1:{services[0].port}",
-                                           target=f"127.0.0.1:{services[1].port}", max_workers=SESSIONS * 2))
+    engine = SyncEngine(loop, lambda: Coordinator(CoordinatorConfig(
+        draft=f"127.0.0.1:{services[0].port}", target=f"127.0.0.1:{services[1].port}", max_streams=SESSIONS * 2)))
     yield engine, services, passes
     engine.close()
     for service in services:
