@@ -72,6 +72,7 @@ class Coordinator:
         self.pairs = PairRegistry(config.gamma_max, self.tokenizers.directory, on_change=self.learned.forget)
         self.checks = RequestCheck(config, self.tokenizer)
         self.observer = CoordinatorObserver(metrics)
+        self._background: set[asyncio.Task] = set()  # EndSession calls to replicas a session left
         if metrics is not None:
             metrics.watch_replicas(lambda: {role: pool.snapshot() for role, pool in self.pools.items()})
 
@@ -185,12 +186,24 @@ class Coordinator:
             setattr(record, f"{role}_synced", 0)
         if previous and cause != "new":
             log.info("%s: %s replica %s -> %s (%s)", record.session_id, role, previous, address, cause)
+            self._end_elsewhere(role, previous, record.service_session_id)
         if self.metrics is not None:
             label = cause if not mid_turn else "failed" if "failed" in cause else \
                 "kv budget" if "KV" in cause else "unhealthy"
             self.metrics.pins.labels(role, label).inc()
             if mid_turn:
                 self.metrics.failovers.labels(role).inc()
+
+    def _end_elsewhere(self, role: str, address: str, key: str) -> None:
+        """The session left the replica at ``address``: tell it to free what it
+        holds (in the background, best effort: one that died holds nothing, and
+        one that does not answer frees it after its TTL)."""
+        replica = self.pools[role].get(address)
+        if replica is None or replica.address == "":
+            return
+        ending = asyncio.get_running_loop().create_task(replica.client.end_session(key))
+        self._background.add(ending)
+        ending.add_done_callback(self._background.discard)
 
     async def close_session(self, session_id: str) -> bool:
         """Forget a named session and free its state in both services."""

@@ -28,13 +28,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
 from coordinator.pinning import Pinned
 from coordinator.pools import Replica
-from specdec.core.interfaces import DraftToken, PassLoad, Propose, SessionLost, Verdict, Verify
+from specdec.core.interfaces import Drafted, DraftToken, PassLoad, Propose, SessionLost, Verdict, Verify
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
@@ -198,6 +198,7 @@ class SideStats:
     them, each with the service's own account (:class:`specdec.telemetry.calls.RpcRecord`)."""
 
     prefill_tokens: int = 0  # history tokens (re-)run: first call, and after an eviction
+    prepared_rounds: int = 0  # (the draft) rounds whose drafts were all made ahead, before the call
     calls: list[RpcRecord] = dataclasses.field(default_factory=list)
 
     def total(self, field: str) -> float:
@@ -292,44 +293,44 @@ class RemoteProposer:
                  target_vocab_size: int = 0):
         self.pinned, self.session, self.stats, self.draft_top_k = pinned, session, stats, draft_top_k
         self.target_vocab_size = target_vocab_size  # the draft proposes only ids the target holds too
+        self.full: set[str] = set()  # replicas that answered the turn RESOURCE_EXHAUSTED
 
-    async def propose(self, call: Propose) -> AsyncIterator[DraftToken]:
+    async def propose(self, call: Propose) -> Drafted:
         retries = _Retries(self.session.before_refill)
         if not self.pinned.fit():
             if not await _move(self.pinned, self.session, "unhealthy" if self.pinned.replica else "none left"):
-                return
+                return Drafted([])
             raise SessionLost("draft", "moved")
         client = self.pinned.client
         request = conv.propose_request(self.session.key, call.round_id, call.position, call.new_tokens, call.gamma,
                                        call.params, self.draft_top_k, self.target_vocab_size)
         while True:
-            yielded = received = 0
             try:
-                with client.calls.call("Propose") as rpc:
+                with client.calls.call("ProposeAll") as rpc:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
-                    messages = client.stub.Propose(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
-                    async for message in messages:
-                        received += message.ByteSize()
-                        if message.HasField("timing"):  # the last token: the call is complete
-                            rpc.record(self._account(message.timing, call, time.perf_counter() - started,
-                                                     request.ByteSize(), received))
-                        yielded += 1
-                        # q stays the received message: the coordinator only forwards it.
-                        yield DraftToken(message.token, message.q if message.HasField("q") else None)
-                return
+                    reply = await client.stub.ProposeAll(request, timeout=client.call_timeout_s,
+                                                         metadata=rpc.metadata)
+                    waited = time.perf_counter() - started
+                    rpc.record(self._account(reply, call, waited, request.ByteSize()))
+                # q stays the received message: the coordinator only forwards it.
+                drafts = [DraftToken(d.token, d.q if d.HasField("q") else None) for d in reply.drafts]
+                # When the first draft existed, as seen here: the drafting after it took what it took there.
+                return Drafted(drafts, max(0.0, waited - (reply.last_draft_s - reply.first_draft_s)))
             except grpc.RpcError as e:
-                if self._gave_up(e, client, yielded):
-                    return
-                action = None if yielded else await retries.after(e, call.position, client, self.session.key)
+                if await self._gave_up(e, client):
+                    return Drafted([])
+                action = await retries.after(e, call.position, client, self.session.key)
                 if action is None:
-                    raise client.translate(e, "Propose") from None
+                    raise client.translate(e, "ProposeAll") from None
                 if action == "refill":
                     self.session.refilled("draft", "evicted")
                     raise SessionLost("draft", "evicted") from None
 
-    def _gave_up(self, e: grpc.RpcError, client: ServiceClient, yielded: int) -> bool:
+    async def _gave_up(self, e: grpc.RpcError, client: ServiceClient) -> bool:
         """A failure of the replica (not of the request) ends the drafting of
-        this round; one that is dead or leaving is reported to the pool."""
+        this round; one that is dead or leaving is reported to the pool. One at
+        its KV budget hands the session to another draft that has room (raises
+        SessionLost), if there is one."""
         code = e.code()
         if code not in REPLICA_FAILURES and code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return False
@@ -338,18 +339,22 @@ class RemoteProposer:
                                hung=code == grpc.StatusCode.DEADLINE_EXCEEDED)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 client.timed_out_at = time.monotonic()
-        log.warning("%s: draft service at %s failed Propose (%s: %s): this round verifies the %d drafts that "
-                    "arrived%s", shown(self.session.key), client.address, code.name, _details(e), yielded,
+        else:
+            self.full.add(client.address)
+            if await _move(self.pinned, self.session, "at its KV budget", self.full):
+                raise SessionLost("draft", "moved") from None
+        log.warning("%s: draft service at %s failed Propose (%s: %s): this round verifies no drafts%s",
+                    shown(self.session.key), client.address, code.name, _details(e),
                     "" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "; the next moves to another draft")
         return True
 
-    def _account(self, timing: pb.ServerTiming, call: Propose, waited_s: float, sent: int, received: int
-                 ) -> RpcRecord:
+    def _account(self, reply: pb.Proposal, call: Propose, waited_s: float, sent: int) -> RpcRecord:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
         if not s.calls or call.position == 0:
-            s.prefill_tokens += max(0, timing.computed_tokens - (call.gamma - 1))
-        s.calls.append(RpcRecord.of_call("draft", waited_s, timing, sent, received))
+            s.prefill_tokens += max(0, reply.timing.computed_tokens - (call.gamma - 1))
+        s.prepared_rounds += reply.prepared
+        s.calls.append(RpcRecord.of_call("draft", waited_s, reply.timing, sent, reply.ByteSize()))
         return s.calls[-1]
 
 

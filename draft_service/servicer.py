@@ -1,6 +1,7 @@
 """DraftService: decode the request, draft with :func:`specdec.models.local.draft_steps`
 on the session's sequence (each step one forward pass, batched with other
-sessions'), stream each token as soon as it exists.
+sessions'); ``Propose`` streams each token as soon as it exists, ``ProposeAll``
+answers with all of them in one message.
 
 Validation, sessions, the batched model passes and timings are shared with the
 target service in :mod:`specdec.serving.model_host`.
@@ -9,6 +10,7 @@ target service in :mod:`specdec.serving.model_host`.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from specdec.core.interfaces import DraftToken
 from specdec.models.local import DraftRule, draft_ahead_steps, draft_steps, held_tokens, new_draft_sequence
@@ -27,15 +29,46 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, host: ModelHost):
         self.host = host
 
-    async def Propose(self, request: pb.ProposeRequest, context):
-        host, gamma = self.host, request.gamma
+    def _checked(self, request: pb.ProposeRequest):
+        """The request's sampling parameters, draft rule and replay key (INVALID_ARGUMENT if it is bad)."""
+        host = self.host
         own = host.require_ready().vocab_size
         target_vocab = request.target_vocab_size or own
         params = host.check_round(request.session_id, request.position, request.new_tokens,
-                                  request.sampling, gamma=gamma, vocab_size=max(own, target_vocab))
+                                  request.sampling, gamma=request.gamma, vocab_size=max(own, target_vocab))
         rule = DraftRule(top_k=request.draft_top_k, vocab=target_vocab if target_vocab < own else 0)
+        key = (request.position, tuple(request.new_tokens), request.gamma, rule, sampling_key(request.sampling))
+        return params, rule, key
+
+    async def ProposeAll(self, request: pb.ProposeRequest, context):
+        host, gamma = self.host, request.gamma
+        params, rule, key = self._checked(request)
+        key = ("all", *key)
+        async with host.session(request.session_id, request.position, len(request.new_tokens) + gamma) as session:
+            recorded = session.replay(request.round_id, key)
+            if recorded is not None:  # a retried round: the same tokens, not drafted twice
+                return recorded
+            timing, made = ServerTiming(), []
+            started = time.perf_counter()
+            steps = draft_steps(host.runner, session.state, request.position, list(request.new_tokens), gamma,
+                                params, rule)
+
+            def on_draft(draft: DraftToken) -> None:  # on the model's thread
+                made.append((DraftToken(draft.token, host.to_host(draft.q, timing)), time.perf_counter()))
+
+            reused = await host.run_steps(steps, timing, on_draft)
+            reply = pb.Proposal(drafts=[pc.draft_token_to_proto(d) for d, _ in made],
+                                timing=pc.timing_to_proto(timing), prepared=bool(gamma) and reused == gamma)
+            if made:
+                reply.first_draft_s, reply.last_draft_s = made[0][1] - started, made[-1][1] - started
+            session.record(request.round_id, key, reply)
+            self._after_round(session, params, rule, gamma, reused)
+            return reply
+
+    async def Propose(self, request: pb.ProposeRequest, context):
+        host, gamma = self.host, request.gamma
+        params, rule, key = self._checked(request)
         new_tokens = list(request.new_tokens)
-        key = (request.position, tuple(new_tokens), gamma, rule, sampling_key(request.sampling))
         async with host.session(request.session_id, request.position, len(new_tokens) + gamma) as session:
             recorded = session.replay(request.round_id, key)
             if recorded is not None:  # a retried round: the same tokens, not drafted twice
@@ -64,10 +97,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 yield msg
             reused = await job  # drafts made ahead and reused; γ = 0: the roll-back and append still happen
             session.record(request.round_id, key, sent)
-            if host.metrics is not None and reused:
-                host.metrics.observe_draft_ahead(reused=reused)
-            if gamma and host.config.draft_ahead:
-                host.run_in_background(self._draft_ahead(session, params, rule, gamma))
+            self._after_round(session, params, rule, gamma, reused)
+
+    def _after_round(self, session, params, rule: DraftRule, gamma: int, reused: int) -> None:
+        host = self.host
+        if host.metrics is not None and reused:
+            host.metrics.observe_draft_ahead(reused=reused)
+        if gamma and host.config.draft_ahead:
+            host.run_in_background(self._draft_ahead(session, params, rule, gamma))
 
     def _draft_ahead(self, session, params, rule: DraftRule, gamma: int):
         """While the target verifies, this device would idle: draft the next round

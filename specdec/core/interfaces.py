@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -161,9 +161,18 @@ class Verifier(Protocol):
         Raises :class:`SessionLost` when it no longer holds the session."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafted:
+    """A proposer's drafts for one call, all at once, and when the first of them
+    existed (seconds after the call began, as the caller sees it; None: not known)."""
+
+    drafts: list[DraftToken]
+    first_s: float | None = None
+
+
 class AsyncProposer(Protocol):
-    def propose(self, call: Propose) -> AsyncIterator[DraftToken]:
-        """:meth:`Proposer.propose`, its drafts awaited."""
+    async def propose(self, call: Propose) -> Drafted:
+        """:meth:`Proposer.propose`, awaited: every draft in one answer."""
 
 
 class AsyncVerifier(Protocol):

@@ -253,11 +253,8 @@ async def run_rounds_async(proposer: AsyncProposer | None, verifier: AsyncVerifi
         t0 = time.perf_counter()
         try:
             if isinstance(call, Propose):
-                drafts, first = [], None
-                async for draft in proposer.propose(call):
-                    drafts.append(draft)
-                    first = first or time.perf_counter() - t0
-                machine.proposed(drafts, time.perf_counter() - t0, first)
+                drafted = await proposer.propose(call)
+                machine.proposed(drafted.drafts, time.perf_counter() - t0, drafted.first_s)
             else:
                 result = machine.verified(await verifier.verify(call), time.perf_counter() - t0)
         except SessionLost as e:

@@ -48,12 +48,38 @@ class TextStream:
 
     def stop_after(self, tokens: list[int]) -> int | None:
         """Push ``tokens`` in order; how many to keep if a stop string completes
-        among them (the token completing it included), else None."""
+        among them (the token completing it included), else None.
+
+        A round's tokens are decoded together (two decodes a round, not two a
+        token). Where that does not settle them all -- a stop string completes
+        among them (which token completed it?), or they end inside a character
+        -- they are pushed again one by one, from before them, exactly as
+        without the shortcut."""
+        if len(tokens) > 1 and not self.stopped:
+            before = self._state()
+            self._taken.append(self._push_all(tokens))
+            if not self.stopped and self._read == len(self._ids):
+                return None
+            self._restore(before)
         for i, token in enumerate(tokens):
             self._taken.append(self.push(token))
             if self.stopped:
                 return i + 1
         return None
+
+    def _state(self) -> tuple:
+        return list(self._ids), self._prefix, self._read, self._text, self._sent, len(self._taken)
+
+    def _restore(self, state: tuple) -> None:
+        ids, self._prefix, self._read, self._text, self._sent, taken = state
+        self._ids = ids
+        del self._taken[taken:]
+        self.stopped = False
+
+    def _push_all(self, tokens: list[int]) -> str:
+        """:meth:`push` for several tokens at once."""
+        self._ids.extend(tokens)
+        return self._advance(final=False)
 
     def take(self) -> str:
         """The text :meth:`stop_after` released since the last take."""
@@ -71,23 +97,23 @@ class TextStream:
         if self.stopped:
             return ""
         self._ids.append(token)
+        return self._advance(final=False)
+
+    def _advance(self, final: bool) -> str:
+        """Decide the text the ids not yet read complete; release what is safe."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
             self._text += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self._ids)
-        return self._release(final=False)
+            self._prefix, self._read = (self._read, len(self._ids)) if not final else (len(self._ids),) * 2
+        return self._release(final=final)
 
     def finish(self) -> str:
         """End of generation: release whatever is left, incomplete characters
         included (as U+FFFD, as a full decode would show them)."""
         if self.stopped:
             return ""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
-        self._text += new_text[len(prefix_text):]
-        self._prefix = self._read = len(self._ids)
-        return self._release(final=True)
+        return self._advance(final=True)
 
     def _release(self, final: bool) -> str:
         if self._stop:

@@ -207,6 +207,8 @@ class _Call:
                 self.metrics.observe_timing(timing)
             if self.method == "Propose":
                 self.metrics.observe_proposed(count)
+            elif self.method == "ProposeAll":
+                self.metrics.observe_proposed(len(response.drafts))
             elif self.method == "Verify":
                 self.metrics.observe_verified(len(request.draft_tokens), response.accepted)
         self._count(None)

@@ -112,6 +112,11 @@ class FakeDraft(FakeService, pb_grpc.DraftServiceServicer):
             last = i == request.gamma - 1
             yield pb.DraftToken(token=tok, timing=pb.ServerTiming(computed_tokens=1) if last else None)
 
+    def ProposeAll(self, request, context):
+        drafts = list(self.Propose(request, context))
+        return pb.Proposal(drafts=[pb.DraftToken(token=d.token) for d in drafts],
+                           timing=pb.ServerTiming(computed_tokens=1))
+
 
 class FakeTarget(FakeService, pb_grpc.TargetServiceServicer):
     def Verify(self, request, context):
@@ -832,6 +837,52 @@ def test_a_target_at_its_kv_budget_hands_the_turn_to_another_and_all_full_is_res
         with pytest.raises(errors.ResourceExhausted, match="no other target replica took it") as exc:
             run(engine, prompt_ids=(104, 101, 108), max_new_tokens=10, gamma_policy="static:2")
         assert exc.value.retry_after_s == 1.0
+    finally:
+        server.stop(None)
+
+
+def test_a_draft_at_its_kv_budget_hands_the_session_to_another_and_the_first_is_told_to_end_it(fakes):
+    """Not a round without drafts: another draft with room takes the session
+    (re-pre-filled), and the full one is told to free what it held of it."""
+    draft, target, make = fakes
+    other = FakeDraft()
+    server, port = _serve(other, pb_grpc.add_DraftServiceServicer_to_server)
+    try:
+        engine = make(draft=f"{make().config.draft},127.0.0.1:{port}")
+        run(engine, prompt_ids=(104, 101, 108), max_new_tokens=4, session_id="kv", gamma_policy="static:2")
+        full, spare = (draft, other) if named("kv", draft.sessions) else (other, draft)
+        full.full = True
+        ids, _, stats = run(engine, prompt_ids=(33,), max_new_tokens=10, session_id="kv", gamma_policy="static:2")
+        assert ids == expected_tokens(3 + 4 + 1, 10)
+        assert stats.gammas[:4] == [2, 2, 2, 2] and named("kv", spare.sessions)  # drafted, on the other draft
+        deadline = time.monotonic() + 5
+        while not named("kv", full.ended):  # told in the background
+            assert time.monotonic() < deadline, "the full draft was not told to end the session"
+            time.sleep(0.02)
+    finally:
+        server.stop(None)
+
+
+def test_a_target_that_takes_fewer_drafts_than_the_turn_may_ask_cannot_take_it_over(fakes):
+    """A replacement target with a lower --gamma-max would refuse the turn's
+    rounds mid-stream: the pair check keeps it out, and the turn fails over
+    to none (UNAVAILABLE naming why), never to a target that refuses it."""
+    from specdec.serving.server import free_port
+
+    draft, target, make = fakes
+    other = FakeTarget()
+    other.gamma_max = 1
+    port = free_port()
+    engine = make(target=f"{make().config.target},127.0.0.1:{port}")  # nothing answers there yet
+    steps = engine.generate(GenerateJob(prompt_ids=(104, 101, 108), max_new_tokens=50, gamma_policy="static:3"))
+    next(steps)
+    server, _ = _serve(other, pb_grpc.add_TargetServiceServicer_to_server, port)  # a replacement comes up
+    try:
+        engine.pools["target"].check_now()
+        target.unavailable_always = True
+        with pytest.raises(errors.Unavailable, match="did not answer Verify"):
+            list(steps)
+        assert not other.calls  # never sent a round it would refuse
     finally:
         server.stop(None)
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from specdec.core.gamma import StaticGamma
-from specdec.core.interfaces import DraftToken, SamplingParams, SessionLost, SessionState, Verdict
+from specdec.core.interfaces import Drafted, DraftToken, SamplingParams, SessionLost, SessionState, Verdict
 from specdec.core.rounds import Limits, Propose, RoundMachine, Verify, run_rounds, run_rounds_async
 
 V = 50
@@ -92,9 +92,8 @@ class AsyncSides:
         self.draft, self.target = draft, target
 
     async def propose(self, call):
-        for d in self.draft.propose(call):
-            await asyncio.sleep(0)
-            yield d
+        await asyncio.sleep(0)
+        return Drafted(list(self.draft.propose(call)), 0.0)
 
     async def verify(self, call):
         await asyncio.sleep(0)

@@ -48,3 +48,38 @@ def test_a_decode_all_at_once_gives_what_the_stream_releases(tokenizer):
     stream = TextStream(tokenizer, context_ids=context)
     streamed = "".join(stream.push(t) for t in ids) + stream.finish()
     assert decode_continuation(tokenizer, context, ids) == streamed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_round_of_tokens_at_once_keeps_and_releases_what_one_at_a_time_does(tokenizer, seed):
+    """stop_after decodes a round's tokens together: the tokens kept and the text
+    released, round by round, are those of pushing them one at a time, across
+    characters split between rounds and stop strings straddling them."""
+    import random
+
+    rng = random.Random(seed)
+    ids = list("déjà vu ✓日本 ok\n\nabc end日本".encode())
+    rounds, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 5)
+        rounds.append(ids[i:i + n])
+        i += n
+
+    def feed(stream, one_at_a_time: bool):
+        seen = []
+        for chunk in rounds:
+            if one_at_a_time:
+                kept = None
+                for j, token in enumerate(chunk):
+                    if stream.stop_after([token]) is not None:
+                        kept = j + 1
+                        break
+            else:
+                kept = stream.stop_after(chunk)
+            seen.append((kept, stream.take()))
+            if kept is not None:
+                break
+        return seen, stream.finish()
+
+    for stop in ([], ["\n\n"], ["c en", "日本 o"], ["never"]):
+        assert feed(TextStream(tokenizer, stop), False) == feed(TextStream(tokenizer, stop), True), stop

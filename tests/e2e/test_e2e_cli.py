@@ -95,7 +95,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
             assert out.stats.generated_tokens == 8
         # --metrics-port PORT: coordinator on PORT, draft PORT+1, target PORT+2.
         for offset, sample in ((0, "specdec_generated_tokens_total 8.0"),
-                               (1, 'specdec_rpc_server_duration_seconds_count{method="Propose",service="draft"}'),
+                               (1, 'specdec_rpc_server_duration_seconds_count{method="ProposeAll",service="draft"}'),
                                (2, 'specdec_rpc_server_duration_seconds_count{method="Verify",service="target"}')):
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics + offset}/metrics", timeout=10) as r:
                 assert sample in r.read().decode()

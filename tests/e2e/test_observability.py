@@ -79,7 +79,7 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
             return False
         mine = [s for s in spans if s["trace_id"] == gen[0]["trace_id"]]
         servers = {(s["service"], s["name"]) for s in mine if s["kind"] == "SERVER"}
-        return {("specdec-draft", "/specdec.v1.DraftService/Propose"),
+        return {("specdec-draft", "/specdec.v1.DraftService/ProposeAll"),
                 ("specdec-target", "/specdec.v1.TargetService/Verify")} <= servers
 
     spans = receiver.wait_for(complete)
@@ -114,7 +114,7 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
         assert sum(r["attributes"].get(f"specdec.{side}.network_s", 0.0) for r in rounds) > 0
 
     # Every RPC: a coordinator CLIENT span under a round, and the service's SERVER span under it.
-    clients = [s for s in trace if s["kind"] == "CLIENT" and s["name"].endswith(("/Propose", "/Verify"))]
+    clients = [s for s in trace if s["kind"] == "CLIENT" and s["name"].endswith(("/ProposeAll", "/Verify"))]
     assert len(clients) == stats.rounds + sum(1 for g in stats.gammas if g)
     for c in clients:
         assert by_id[c["parent_span_id"]]["name"] == "specdec.round"
@@ -128,7 +128,7 @@ def test_one_generate_is_one_trace_across_the_three_services(stack, receiver):
         if s["kind"] == "SERVER" and s["service"] in ("specdec-draft", "specdec-target"):
             parent = by_id[s["parent_span_id"]]
             assert (parent["kind"], parent["service"], parent["name"]) == ("CLIENT", "specdec-coordinator", s["name"])
-            if s["name"].endswith(("/Propose", "/Verify")):
+            if s["name"].endswith(("/ProposeAll", "/Verify")):
                 assert s["attributes"]["specdec.server.compute_s"] > 0
 
 
@@ -187,7 +187,7 @@ def test_metrics_move_by_what_the_generation_did(stack):
 
     d, t = "draft", "target"
     assert delta(d, "specdec_draft_proposed_tokens_total", service="draft") == drafted
-    assert delta(d, "specdec_rpc_server_duration_seconds_count", service="draft", method="Propose") == drafting
+    assert delta(d, "specdec_rpc_server_duration_seconds_count", service="draft", method="ProposeAll") == drafting
     assert delta(t, "specdec_target_verified_draft_tokens_total", service="target") == drafted
     assert delta(t, "specdec_target_accepted_tokens_total", service="target") == accepted
     assert delta(t, "specdec_rpc_server_duration_seconds_count", service="target", method="Verify") == stats.rounds
