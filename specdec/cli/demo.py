@@ -1,6 +1,8 @@
 """``specdec demo``: the whole system in one command.
 
-Starts the draft, target and coordinator services on loopback (free ports), streams
+Starts the draft, target and coordinator services on loopback (free ports; on
+the CPU the draft on half the cores, the target, the coordinator and this client
+on the other half, as the benchmark lays them out), streams
 a speculative completion of a code prompt to stdout as the rounds commit, then
 runs the same prompt through the same services as plain target decoding
 (γ = 0) and prints acceptance, γ, tokens/s and the speedup -- both measured in
@@ -10,11 +12,12 @@ this run, on this machine, so the figure is honest rather than quoted.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import tempfile
 
-from specdec.cli.serve import Stack, add_model_arguments, model_dirs
+from specdec.cli.serve import Stack, add_model_arguments, model_dirs, split_cores
 
 DEFAULT_PROMPT = 'class Error(Exception):\n    """Base class for exceptions in this module."""\n    pass\n\n\nclass'
 
@@ -42,10 +45,16 @@ def run(args: argparse.Namespace) -> int:
     log = pathlib.Path(tempfile.mkdtemp(prefix="specdec-demo-")) / "services.log"
     ports = {role: free_port() for role in ("coordinator", "draft", "target")}
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731 -- stdout is the completion
+    devices = {"draft": args.device_draft, "target": args.device_target}
+    cpus = split_cores(devices)
+    where = "" if cpus is None else (f"; draft on CPU cores {_cores(cpus['draft'])}, target, coordinator and this "
+                                     f"client on {_cores(cpus['target'])}")
     say(f"starting draft ({draft.name}, {args.device_draft}), target ({target.name}, {args.device_target}) "
-        f"and coordinator on loopback (logs: {log}) ...")
-    stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer,
-                  devices={"draft": args.device_draft, "target": args.device_target}, log=log)
+        f"and coordinator on loopback (logs: {log}{where}) ...")
+    if cpus is not None:  # this process is the client: it works while the target waits, as the coordinator does
+        os.sched_setaffinity(0, cpus["coordinator"])
+    stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer, devices=devices, log=log,
+                  cpus=cpus)
     try:
         stack.wait_serving()
         say(f"serving: coordinator {stack.address('coordinator')}, draft {stack.address('draft')}, "
@@ -76,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _cores(cores: set[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
 
 
 def summary(spec, base, policy: str, *, same: bool, greedy: bool) -> str:

@@ -94,6 +94,22 @@ def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
     return {role: share if role in on_cpu else None for role in devices}
 
 
+def split_cores(devices: dict[str, str]) -> dict[str, set[int]] | None:
+    """Which CPU cores each process runs on when both models are on the CPU: the
+    draft on the first half of the cores this process may use, the target on
+    the rest, and the coordinator beside the target (its work happens while the
+    target waits for it: receiving drafts, forwarding them, streaming tokens
+    out). Both models keep a core of their own, so drafting ahead runs while the
+    target verifies. None (no pinning) with fewer than two cores or a model on
+    another device."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or not all(device.startswith("cpu") for device in devices.values()):
+        return None
+    half = len(allowed) // 2
+    draft, target = set(allowed[:half]), set(allowed[half:])
+    return {"draft": draft, "target": target, "coordinator": target}
+
+
 def draft_shares_target_cores(cpus: dict[str, set[int]] | None = None) -> bool:
     """Whether drafting ahead would take compute from the target's verification:
     when the two services' processes have fewer than two CPU cores between them,
