@@ -51,6 +51,8 @@ log = logging.getLogger("specdec.coordinator")
 # How long a request waits for a healthy replica of a role (one starting, or
 # back from a restart, is seen by the next health check) before UNAVAILABLE.
 REPLICA_WAIT_S = 3.0
+# Text prompts longer than this are tokenised off the event loop (~1 ms of CPU).
+LONG_PROMPT_CHARS = 4096
 
 
 class Coordinator:
@@ -115,7 +117,7 @@ class Coordinator:
         cancelled = cancelled or asyncio.Event()
         started = time.perf_counter()
         checked = await self.pair(wait_s=REPLICA_WAIT_S)
-        request = self.checks.validate(job, checked)
+        request = await self._validate(job, checked)
         client = auth.current_client()
         if client and job.session_id:  # before the lease, so another's session cannot be held up by anyone
             known = await self.directory.get(job.session_id)
@@ -132,7 +134,7 @@ class Coordinator:
             async with self._pinned(record, request) as services:
                 pair = await self.pairs.get(*services.clients())
                 if pair != checked:  # these replicas serve other limits (a pool mid-upgrade): check again
-                    request = self.checks.validate(job, pair)
+                    request = await self._validate(job, pair)
                 key = regime(request.params, request.draft_top_k)
                 request = dataclasses.replace(request, policy=self.learned.warm_start(request.policy, key))
                 continue_session(request.policy, record, key)
@@ -140,6 +142,13 @@ class Coordinator:
                 async with contextlib.aclosing(self._run(turn, request, key, cancelled, started)) as events:
                     async for event in events:
                         yield event
+
+    async def _validate(self, job: GenerateJob, pair: PairInfo) -> Request:
+        """The request's checks; a long text prompt is tokenised on a worker
+        thread, not on the event loop every stream shares."""
+        if len(job.prompt) > LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(self.checks.validate, job, pair)
+        return self.checks.validate(job, pair)
 
     async def _run(self, turn: Turn, request: Request, key, cancelled: asyncio.Event, started: float
                    ) -> AsyncIterator[Delta | GenerationStats]:

@@ -232,16 +232,19 @@ class RedisDirectory:
             self._keeper = asyncio.get_running_loop().create_task(self._keep_leases(), name="redis-directory-leases")
 
     async def _keep_leases(self) -> None:
-        """Renew every held lease each third of the lease time."""
+        """Renew every held lease each third of the lease time, all at once
+        (thousands of streams: one after another they would outlast the lease)."""
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
-            for key, lease in list(self._held.values()):
-                try:
-                    if not await self._scripts["renew"](keys=[key], args=[_token(lease), self.lease_ms]):
-                        log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
-                                    "its writes will be refused", self.lease_ms / 1000)
-                except Exception as e:  # any failure: the next renewal tries again, the keeper goes on
-                    log.warning("renewing a session's lease failed: %s", e)
+            await asyncio.gather(*(self._renew(key, lease) for key, lease in list(self._held.values())))
+
+    async def _renew(self, key: str, lease: Lease) -> None:
+        try:
+            if not await self._scripts["renew"](keys=[key], args=[_token(lease), self.lease_ms]):
+                log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
+                            "its writes will be refused", self.lease_ms / 1000)
+        except Exception as e:  # any failure: the next renewal tries again, the keeper goes on
+            log.warning("renewing a session's lease failed: %s", e)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -354,6 +354,8 @@ class RemoteProposer:
         if not s.calls or call.position == 0:
             s.prefill_tokens += max(0, reply.timing.computed_tokens - (call.gamma - 1))
         s.prepared_rounds += reply.prepared
+        if self.session.metrics is not None and call.gamma:
+            self.session.metrics.draft_rounds.labels("yes" if reply.prepared else "no").inc()
         s.calls.append(RpcRecord.of_call("draft", waited_s, reply.timing, sent, reply.ByteSize()))
         return s.calls[-1]
 

@@ -63,7 +63,7 @@ class RunningCoordinator:
         info timeout to end their sessions in both services, then close the
         channels."""
         await asyncio.sleep(0.05)  # the cancelled calls' handlers start their cleanups on this loop
-        pending = set(self.servicer.turns) if self.servicer is not None else set()
+        pending = set(self.servicer.turns) | set(self.servicer.closing) if self.servicer is not None else set()
         if pending:
             _, late = await asyncio.wait(pending, timeout=self.engine.config.info_timeout_s)
             if late:

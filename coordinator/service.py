@@ -15,7 +15,7 @@ beyond which a Generate is refused with RESOURCE_EXHAUSTED and a retry hint
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import logging
 
 from coordinator.admission import ClientLimits
@@ -38,6 +38,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.drain_grace_s = 0.0
         self.streams = 0  # Generate calls in progress (on the event loop: no lock)
         self.turns: set[asyncio.Task] = set()  # Generate handlers in progress, for the drain
+        self.closing: set[asyncio.Task] = set()  # turns ending (their sessions freed in the services)
 
     async def shutting_down(self, grace_s: float) -> None:
         """SIGTERM: streams still open shortly before the drain grace runs out
@@ -74,7 +75,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def _generate(self, job):
         loop = asyncio.get_running_loop()
         streamed, stats_sent = 0, False
-        async with contextlib.aclosing(self.engine.generate(job)) as events:
+        # Every step of the turn runs in one context of its own (each a task in
+        # it), its cleanup too, even when grpc drops this stream and Python
+        # finalises it from another task: the turn's spans are attached and
+        # detached in the same context.
+        context = contextvars.copy_context()
+        events = self.engine.generate(job)
+        step: asyncio.Task | None = None
+        try:
             while True:
                 # Before each round (not once the stats are out: the turn is complete and stored).
                 if self.end_streams_at is not None and loop.time() >= self.end_streams_at and not stats_sent:
@@ -83,18 +91,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         f"out after {streamed} generated tokens were streamed; the turn did not finish: resume "
                         "it (resume_after = deltas received) on a coordinator sharing this one's --redis "
                         "directory, or send it again")
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
+                step = loop.create_task(_next(events), context=context)
+                event = await step  # a cancellation of this call cancels the step: the turn's calls end
+                if event is _END:
                     return
                 if isinstance(event, Delta):
                     streamed += len(event.token_ids)
                 else:
                     stats_sent = True  # the last event
                 yield conv.event_to_proto(event)
+        finally:
+            if step is not None and not step.done():
+                await asyncio.wait([step])  # its cleanup, after the cancellation reached the turn
+            closing = loop.create_task(events.aclose(), context=context)
+            self.closing.add(closing)
+            closing.add_done_callback(self.closing.discard)
+            await asyncio.shield(closing)
 
     async def CloseSession(self, request, context):
         return pb.CloseSessionResponse(existed=await self.engine.close_session(request.session_id))
+
+
+_END = object()
+
+
+async def _next(events):
+    """The turn's next event, or _END."""
+    return await anext(events, _END)
 
 
 def _peer_host(peer: str) -> str:

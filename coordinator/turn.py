@@ -316,5 +316,5 @@ class Turn:
             draft_network_s=d.network_s, target_network_s=t.network_s,
             bytes_sent=int(d.total("bytes_out") + t.total("bytes_out")),
             bytes_received=int(d.total("bytes_in") + t.total("bytes_in")),
-            history_tokens=self.history,
+            history_tokens=self.history, prepared_rounds=d.prepared_rounds,
         )

@@ -13,7 +13,15 @@ import asyncio
 import time
 
 from specdec.core.interfaces import DraftToken
-from specdec.models.local import DraftRule, draft_ahead_steps, draft_steps, held_tokens, new_draft_sequence
+from specdec.models.local import (
+    DRAFT_BRANCHES,
+    DraftRule,
+    branch_steps,
+    draft_ahead_steps,
+    draft_steps,
+    held_tokens,
+    new_draft_sequence,
+)
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -100,11 +108,26 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             self._after_round(session, params, rule, gamma, reused)
 
     def _after_round(self, session, params, rule: DraftRule, gamma: int, reused: int) -> None:
+        """While the target verifies the drafts just sent, prepare the next
+        round's: for the outcome that every draft is accepted (on the session's
+        sequence), and for the first DRAFT_BRANCHES rejection positions, where
+        most of the remaining probability lies (on forks of it)."""
         host = self.host
         if host.metrics is not None and reused:
             host.metrics.observe_draft_ahead(reused=reused)
         if gamma and host.config.draft_ahead:
-            host.run_in_background(self._draft_ahead(session, params, rule, gamma))
+            base = len(session.state.tokens) - gamma  # where this round's drafts begin
+            host.run_in_background(self._prepare(session, base, params, rule, gamma))
+
+    def _prepare(self, session, base: int, params, rule: DraftRule, gamma: int):
+        """One outcome after the other, most promising first (a whole round
+        ready saves its Propose the model's time; a part of one saves less),
+        each in passes of its own, so that a prepared draft is bit-identical to
+        the one a fresh request would make (float rounding depends on how
+        tokens are grouped into passes)."""
+        yield from self._draft_ahead(session, params, rule, gamma)
+        for j in range(min(DRAFT_BRANCHES, gamma)):
+            yield from self._branch(session, base + j, params, rule, gamma)
 
     def _draft_ahead(self, session, params, rule: DraftRule, gamma: int):
         """While the target verifies, this device would idle: draft the next round
@@ -123,6 +146,23 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             drafts[:] = [DraftToken(d.token, host.to_host(d.q, ServerTiming())) for d in drafts]
             if host.metrics is not None:
                 host.metrics.observe_draft_ahead(made=max(0, len(drafts) - 1))  # the guess is never reused
+
+    def _branch(self, session, position: int, params, rule: DraftRule, gamma: int):
+        """:func:`specdec.models.local.branch_steps` for the rejection at
+        ``position``, as a background job like :meth:`_draft_ahead`."""
+        host, seq = self.host, session.state
+        scheduler = host.scheduler
+        made = 0
+        try:
+            made = yield from branch_steps(host.runner, seq, position, params, rule, gamma,
+                                           lambda: scheduler.calls_waiting() or not host.sessions.holds(session))
+        finally:
+            branch = next((b for b in seq.branches if b.position == position), None)
+            if branch is not None:
+                branch.drafts[:] = [DraftToken(d.token, host.to_host(d.q, ServerTiming())) for d in branch.drafts]
+                made = len(branch.drafts)
+            if host.metrics is not None:
+                host.metrics.observe_draft_ahead(branched=made)
 
     async def EndSession(self, request, context):
         return self.host.end_session(request)

@@ -101,6 +101,8 @@ def summary(spec, base, policy: str, *, same: bool, greedy: bool) -> str:
         f"acceptance    {spec.acceptance_rate:.0%} ({spec.accepted_tokens} of {spec.drafted_tokens} drafted tokens)",
         f"gamma         {policy}: mean {spec.mean_gamma:.1f} over {spec.rounds} rounds"
         + (f"; drafted in {len(gammas)} of them (gamma {min(gammas)}-{max(gammas)})" if gammas else "; never drafted"),
+        f"drafts ready  {spec.prepared_rounds} of {len(gammas)} drafting rounds: prepared while the target verified "
+        f"the round before",
         f"speculative   {spec.tokens_per_second:7.1f} tokens/s  ({spec.generated_tokens} tokens, {spec.rounds} rounds, "
         f"{tokens_per_round:.2f} tokens/round, {spec.elapsed_s:.2f} s)",
         f"target only   {base.tokens_per_second:7.1f} tokens/s  ({base.generated_tokens} tokens, "
@@ -111,7 +113,7 @@ def summary(spec, base, policy: str, *, same: bool, greedy: bool) -> str:
         *breakdown(spec, base),
     ]
     if greedy:
-        lines.insert(6, f"same output as target-only decoding: {'yes' if same else 'NO'}")
+        lines.insert(7, f"same output as target-only decoding: {'yes' if same else 'NO'}")
     return "\n".join(lines)
 
 

@@ -90,7 +90,7 @@ def cpu_threads(devices: dict[str, str]) -> dict[str, int | None]:
     on_cpu = [role for role, device in devices.items() if device.startswith("cpu")]
     if "OMP_NUM_THREADS" in os.environ or not on_cpu:
         return {role: None for role in devices}
-    share = max(1, (os.cpu_count() or 1) // len(on_cpu))
+    share = max(1, len(os.sched_getaffinity(0)) // len(on_cpu))  # the cores this process may use
     return {role: share if role in on_cpu else None for role in devices}
 
 

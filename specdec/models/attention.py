@@ -28,7 +28,9 @@ Kernels (chosen when the model loads, :func:`choose_kernel`):
   blocks into [B, kv_heads, L, dim], queries padded to [B, heads, Q, dim], one
   ``scaled_dot_product_attention`` call with a boolean mask [B, 1, Q, L] (or
   one masked matmul-softmax-matmul where the layer soft-caps its scores). A
-  single row whose blocks lie in order reads them in place.
+  single row whose blocks lie in order copies them as one slice instead of
+  gathering them (a copy either way: the kernel's rounding depends on where
+  its inputs lie in memory, and a pass must not depend on where its blocks do).
 * ``varlen`` (CUDA): ``torch.nn.attention.varlen.varlen_attn`` over the packed
   queries, reading keys and values straight from the pool through the block
   tables (FlashAttention's paged kernel). No copies; shapes fixed by the pool,
@@ -74,7 +76,7 @@ class GroupPlan:
     window: int | None
     # padded kernel
     read: torch.Tensor | None = None  # [B, L] slot of each position a row reads (padding: scratch)
-    read_slice: tuple[int, int] | None = None  # one row reading slots [first, first + L) in place
+    read_slice: tuple[int, int] | None = None  # one row reading slots [first, first + L) as one slice
     mask: torch.Tensor | None = None  # [B, 1, Q, L]; None: every query sees every key it reads
     # varlen kernel
     block_table: torch.Tensor | None = None  # [B, blocks] int32
@@ -191,7 +193,7 @@ def _plan_padded(plan: PassPlan, rows: list[BatchRow], shape: RowShape, tables: 
         held = key_pos < shape.ends_t[:, None]
         blocks = rows[0].cache.tables[g][firsts[0] // bs:-(-ends[0] // bs)]
         if len(rows) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-            group.read_slice = (blocks[0] * bs, length)  # in order in the pool: read in place
+            group.read_slice = (blocks[0] * bs, length)  # in order in the pool: one slice
         else:
             slots = tables[g].gather(1, (key_pos // bs).clamp(max=tables.shape[2] - 1)) * bs + key_pos % bs
             group.read = torch.where(held, slots, slots[:, :1])  # padding reads the row's own first slot, masked
@@ -244,7 +246,7 @@ def _padded(plan: PassPlan, group: GroupPlan, q, keys, values, scale, softcap) -
     queries = q.reshape(b, n, heads, dim) if plan.uniform else q.index_select(0, plan.q_index).view(b, n, heads, dim)
     if group.read_slice is not None:
         first, length = group.read_slice
-        k_rows, v_rows = keys[first:first + length][None], values[first:first + length][None]
+        k_rows, v_rows = keys[first:first + length][None].clone(), values[first:first + length][None].clone()
     else:
         read = group.read.view(-1)
         length = group.read.shape[1]

@@ -20,6 +20,7 @@ import torch
 from specdec.core.interfaces import DraftToken, Propose, SamplingParams, Verdict, Verify
 from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
+from specdec.models.paged_kv import KVExhausted
 from specdec.models.runner import ModelRunner, Pass, Sequence
 
 # yields a Pass (sent its logits [last, V] back) or a DraftToken (sent None); returns R
@@ -80,7 +81,16 @@ def draft_steps(
     Drafts that :func:`draft_ahead_steps` made since the last call and that this
     call would make again are yielded without running the model."""
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
-    reused = ahead.reusable(seq, position, new_tokens, gamma, params, rule) if ahead else []
+    branches, seq.branches = seq.branches, []  # (the others' blocks go back when they are dropped)
+    branch = next((b for b in branches if b.reusable(position, new_tokens, params, rule)), None)
+    runner_ups = branch.seq.runner_ups if branch is not None else seq.runner_ups
+    seq.runner_ups = {p: t for p, t in runner_ups.items() if p >= position}  # the drafts this call keeps
+    if branch is not None:  # the session goes on as the branch: it holds new_tokens and drafts after position
+        seq.tokens, seq.cache = branch.seq.tokens, branch.seq.cache
+        reused = branch.drafts[:gamma]
+        ahead = None
+    else:
+        reused = ahead.reusable(seq, position, new_tokens, gamma, params, rule) if ahead else []
     if reused:  # seq already holds new_tokens and the reused drafts after position
         held = position + len(new_tokens) + len(reused)
         runner.rollback(seq, held)
@@ -121,16 +131,53 @@ def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, rule: 
             token = int(q.ids[sample(q.probs, u)])
         else:
             token = sample(q, u)
+    if isinstance(seq, DraftSequence):
+        seq.runner_ups[len(seq.tokens)] = runner_up(logits, token)
     seq.tokens.append(token)
     return DraftToken(token, q)
+
+
+def runner_up(logits: torch.Tensor, token: int) -> int:
+    """The likeliest token after ``token`` by the draft's logits: its best
+    guess at the target's correction where the target rejects ``token``
+    (processing keeps the order of what it does not cut)."""
+    if logits.numel() < 2:
+        return token  # no other: a branch for it would never match a correction
+    top = torch.topk(logits, 2).indices.tolist()
+    return top[0] if top[0] != token else top[1]
 
 
 @dataclasses.dataclass
 class DraftSequence(Sequence):
     """A draft session's sequence, with the drafts made ahead of its next
-    request (:func:`draft_ahead`), if any."""
+    request: on it, for the round bet on (:func:`draft_ahead`), and on branches
+    for other outcomes of the round being verified (:func:`branch_steps`);
+    and, by position, the runner-up of each token it drafted (:func:`runner_up`)."""
 
     ahead: DraftsAhead | None = None
+    branches: list[Branch] = dataclasses.field(default_factory=list)
+    runner_ups: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Branch:
+    """Drafts made ahead for one outcome of the round being verified: the
+    target keeps the first ``position`` tokens and appends ``token`` (its
+    correction of the draft there, guessed as the draft's runner-up). ``seq``,
+    a fork of the session's sequence, holds them: ``tokens[:position] + [token]
+    + drafts``."""
+
+    position: int
+    token: int
+    seq: DraftSequence
+    drafts: list[DraftToken]
+    params: SamplingParams
+    rule: DraftRule
+
+    def reusable(self, position: int, new_tokens: list[int], params: SamplingParams, rule: DraftRule) -> bool:
+        """Whether a request asks for the outcome this branch bet on, as it drafted."""
+        return (position == self.position and list(new_tokens) == [self.token] and params == self.params
+                and rule == self.rule and bool(self.drafts))
 
 
 def new_draft_sequence(runner: ModelRunner) -> DraftSequence:
@@ -197,6 +244,39 @@ def draft_ahead_steps(runner: ModelRunner, seq: DraftSequence, params: SamplingP
         run = start - cached + 1 if len(drafts) == 1 else 1
         drafts.append((yield from draft_one(runner, seq, params, rule, run)))
     return len(drafts)
+
+
+# Rejection positions drafted ahead for (besides the outcome that every draft is
+# accepted): with acceptance α per draft, the first rejection is at position j
+# with probability α^j (1 - α), so the first ones carry most of it.
+DRAFT_BRANCHES = 2
+
+
+def branch_steps(runner: ModelRunner, seq: DraftSequence, position: int, params: SamplingParams, rule: DraftRule,
+                 count: int, stop: Callable[[], bool]) -> Steps:
+    """While the target verifies, draft ahead for another outcome than
+    :func:`draft_ahead_steps` bets on: the target rejects the draft at
+    ``position`` and corrects it with the draft's runner-up there. On a fork of
+    ``seq`` (its blocks shared up to ``position``), up to ``count`` drafts,
+    kept in ``seq.branches`` for the next :func:`draft_steps`. ``stop`` is asked
+    before each draft. Returns how many were made (0: no runner-up known there,
+    or no KV room for the fork).
+
+    The drafts come from the tokens before them, the params and the rule, as a
+    fresh request's would: a prepared draft is just a draft, with its exact q."""
+    token = seq.runner_ups.get(position)
+    if token is None or position > len(seq.tokens) or stop():
+        return 0
+    try:
+        fork = runner.fork(seq, position)
+    except KVExhausted:
+        return 0
+    fork = DraftSequence(tokens=[*fork.tokens, token], cache=fork.cache)
+    branch = Branch(position, token, fork, [], params, rule)
+    seq.branches.append(branch)
+    while len(branch.drafts) < count and len(fork.tokens) < runner.max_context and not stop():
+        branch.drafts.append((yield from draft_one(runner, fork, params, rule)))
+    return len(branch.drafts)
 
 
 def draft_ahead(runner: ModelRunner, seq: DraftSequence, params: SamplingParams, rule: DraftRule, count: int,

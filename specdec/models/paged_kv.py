@@ -16,7 +16,9 @@ Terms:
 
 A session's :class:`PagedCache` is its tables and the positions they hold.
 Rolling back frees the blocks past the new end (the last one is trimmed by the
-length alone). In a sliding-window group, a query at position p sees positions
+length alone). A fork (a draft's branch) shares the whole blocks of the prefix
+it starts from; a shared block is freed when its last holder lets it go. In a
+sliding-window group, a query at position p sees positions
 (p - window, p], so blocks wholly older than that are freed after each pass,
 but for ``keep_behind`` positions kept so that a rollback of that many tokens
 still finds the window it needs; a rollback deeper than that drops the cache
@@ -81,6 +83,7 @@ class BlockPool:
         self.max_blocks = max_blocks
         self.capacity = min(max_blocks, FIRST_BLOCKS) if grow else max_blocks
         self._free = list(range(self.capacity - 1, SCRATCH, -1))  # popped from the end: low blocks first
+        self._shared: dict[int, int] = {}  # block -> caches holding it, where more than one does
         self._lock = threading.Lock()
 
     @property
@@ -111,8 +114,27 @@ class BlockPool:
             self.capacity = capacity
 
     def give_back(self, blocks: list[int]) -> None:
+        """Each block's owner lets it go: free once no other cache shares it."""
         with self._lock:
-            self._free.extend(b for b in blocks if b != SCRATCH)
+            for b in blocks:
+                if b == SCRATCH:
+                    continue
+                owners = self._shared.pop(b, 1)
+                if owners > 2:
+                    self._shared[b] = owners - 1
+                elif owners == 1:
+                    self._free.append(b)
+
+    def share(self, blocks: list[int]) -> None:
+        """One more cache holds each of ``blocks`` (a fork)."""
+        with self._lock:
+            for b in blocks:
+                if b != SCRATCH:
+                    self._shared[b] = self._shared.get(b, 1) + 1
+
+    def is_shared(self, block: int) -> bool:
+        with self._lock:
+            return block in self._shared
 
 
 class PagedKV:
@@ -165,21 +187,25 @@ class PagedKV:
         need = self.blocks_for(end)
         taken: list[tuple[int, list[int]]] = []
         try:  # all groups or none
-            for group, pool in enumerate(self.pools):
+            for group in range(len(self.pools)):
                 missing = need - len(cache.tables[group])
-                if missing <= 0:
-                    continue
-                blocks = pool.take(missing)
-                if blocks is None:
-                    self._grow(group, pool.grown(missing))
-                    blocks = pool.take(missing)
-                taken.append((group, blocks))
+                if missing > 0:
+                    taken.append((group, self._take(group, missing)))
         except BaseException:
             for group, blocks in taken:
                 self.pools[group].give_back(blocks)
             raise
         for group, blocks in taken:
             cache.tables[group].extend(blocks)
+
+    def _take(self, group: int, n: int) -> list[int]:
+        """``n`` free blocks of ``group``, growing its pool if it must (KVExhausted beyond the budget)."""
+        pool = self.pools[group]
+        blocks = pool.take(n)
+        if blocks is None:
+            self._grow(group, pool.grown(n))
+            blocks = pool.take(n)
+        return blocks
 
     def _grow(self, group: int, capacity: int) -> None:
         """A growable pool's tensors, enlarged to ``capacity`` blocks (contents kept)."""
@@ -191,6 +217,58 @@ class PagedKV:
                     tensors[i] = torch.zeros(slots, *old.shape[1:], dtype=old.dtype, device=old.device)
                     tensors[i][:old.shape[0]] = old
         self.pools[group].extend(capacity)
+
+    def fork(self, cache: PagedCache, length: int) -> PagedCache:
+        """A new cache holding ``cache``'s positions ``[0, length)`` (fewer if
+        ``cache`` holds fewer; none where a sliding window would need positions
+        already released): a branch that goes on from there. Whole blocks are
+        shared by the two (neither writes them again: a rollback into one copies
+        it first); a partly filled last block is copied. KVExhausted when the
+        budget cannot hold that copy."""
+        length = min(length, cache.length)
+        for group, window in enumerate(self.windows):
+            if window is not None and cache.first_held(group, self.block_size) > max(0, length - window + 1):
+                length = 0
+        fork = self.new_cache()
+        whole = length // self.block_size
+        for group, table in enumerate(cache.tables):
+            first = min(cache.dropped[group], whole)
+            self.pools[group].share(table[first:whole])
+            fork.tables[group][:] = [SCRATCH] * first + table[first:whole]
+            fork.dropped[group] = first
+        fork.length = whole * self.block_size
+        if length > fork.length:  # the last block, partly filled: a copy of its own
+            self.reserve(fork, length)
+            for group, table in enumerate(cache.tables):
+                self._copy_block(group, table[whole], fork.tables[group][whole])
+            fork.length = length
+        return fork
+
+    def _copy_block(self, group: int, src: int, dst: int) -> None:
+        """Block ``src``'s keys and values into block ``dst``, in every layer of ``group``."""
+        a, b = src * self.block_size, dst * self.block_size
+        for i, g in enumerate(self.group_of):
+            if g == group:
+                self.keys[i][b:b + self.block_size] = self.keys[i][a:a + self.block_size]
+                self.values[i][b:b + self.block_size] = self.values[i][a:a + self.block_size]
+
+    def _unshare_last(self, cache: PagedCache) -> None:
+        """Before a cache ends inside a block it shares (a rollback): a copy of
+        that block of its own, since its next pass writes there."""
+        if cache.length % self.block_size == 0:
+            return
+        last = cache.length // self.block_size
+        for group, table in enumerate(cache.tables):
+            if last < len(table) and self.pools[group].is_shared(table[last]):
+                (own,) = self._take(group, 1)
+                self._copy_block(group, table[last], own)
+                self.pools[group].give_back([table[last]])
+                table[last] = own
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        """The slots of ``blocks``, in order."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
 
     # ------------------------------------------------------------------ shrinking
 
@@ -209,6 +287,7 @@ class PagedKV:
             del table[keep:]
             cache.dropped[group] = min(cache.dropped[group], keep)
         cache.length = length
+        self._unshare_last(cache)
         return length
 
     def slide(self, cache: PagedCache) -> None:

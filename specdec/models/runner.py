@@ -171,6 +171,12 @@ class ModelRunner:
         to the pool when it is garbage collected)."""
         return self.forward.new_cache()
 
+    def fork(self, seq: Sequence, position: int) -> Sequence:
+        """A new sequence holding ``seq``'s first ``position`` tokens and a copy
+        of the KV cache of as many of them as ``seq`` holds: a branch drafting
+        on from there leaves ``seq`` as it is."""
+        return Sequence(tokens=seq.tokens[:position], cache=self.forward.kv.fork(seq.cache, position))
+
     def rollback(self, seq: Sequence, position: int) -> None:
         """Keep the first ``position`` tokens (and at most that much cache)."""
         if position > len(seq.tokens):

@@ -62,6 +62,7 @@ class GenerationStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     history_tokens: int = 0  # the session's tokens before this turn (0: a new session)
+    prepared_rounds: int = 0  # drafting rounds whose drafts were ready before they were asked for
 
     @property
     def acceptance_rate(self) -> float:

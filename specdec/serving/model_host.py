@@ -31,7 +31,7 @@ import torch
 from specdec.core.interfaces import DraftToken, SamplingParams
 from specdec.core.sampling import SparseDist
 from specdec.core.vocabulary import check_token_ids
-from specdec.models.local import Steps
+from specdec.models.local import DRAFT_BRANCHES, Steps
 from specdec.models.runner import KVSettings, ModelRunner, Sequence, block_size_for
 from specdec.models.tokenizer import tokenizer_files
 from specdec.proto import specdec_pb2 as pb
@@ -124,11 +124,14 @@ class ModelHost:
 
     def kv_headroom(self, block_size: int) -> int:
         """KV positions beyond the budget that drafting ahead may hold (draft
-        service: at most γ + 3 per session, in whole blocks); 0 for the target."""
+        service: per session at most γ + 3 on its own sequence, and on each of
+        DRAFT_BRANCHES forks a copied block and γ + 1 more, in whole blocks); 0
+        for the target."""
         cfg = self.config
         if cfg.role != "draft" or not getattr(cfg, "draft_ahead", False):
             return 0
-        return cfg.max_sessions * (-(-(cfg.gamma_max + 3) // block_size) + 1) * block_size
+        per_round = -(-(cfg.gamma_max + 3) // block_size) + 1
+        return cfg.max_sessions * per_round * (1 + DRAFT_BRANCHES) * block_size
 
     async def _sweep_forever(self) -> None:
         """Expire idle sessions even when no call arrives to trigger it."""

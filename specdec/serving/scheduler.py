@@ -132,6 +132,11 @@ class PassScheduler:
                 arrived, self._arrived = self._arrived, []
             if any(not w.background for w in arrived):
                 self._close_background()
+                # Background work arriving with a call is a bet on a state the call may change: dropped unstarted.
+                for work in [w for w in arrived if w.background]:
+                    arrived.remove(work)
+                    work.steps.close()
+                    self._finish(work, None)
             for work in arrived:
                 self._advance(work, None)
             batch = self._next_batch()

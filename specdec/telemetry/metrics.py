@@ -75,6 +75,10 @@ class CoordinatorMetrics(RpcMetrics):
         )
         self.gamma = Gauge("specdec_gamma", "Gamma (tokens drafted) of the latest round.", registry=r)
         self.rounds = Counter("specdec_rounds", "Rounds run (gamma 0 included).", registry=r)
+        self.draft_rounds = Counter(
+            "specdec_draft_rounds", "Drafting rounds, by whether the draft service had prepared their drafts "
+            "while the target verified the round before (ready=yes: no draft compute on the round's path).",
+            ["ready"], registry=r)
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens committed to clients.", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens received.", registry=r)
         self.requests = Counter("specdec_generate_requests", "Generate requests finished, by finish reason.",
@@ -175,8 +179,10 @@ class ServiceMetrics(RpcMetrics):
         self.target_accepted_tokens = Counter("specdec_target_accepted_tokens", "Draft tokens Verify accepted.",
                                               ["service"], registry=r)
         self.draft_ahead_tokens = Counter(
-            "specdec_draft_ahead_tokens", "Drafts made ahead while the target verified, after the guess at its "
-            "token (outcome=made), and those a later Propose streamed without running the model (outcome=reused).",
+            "specdec_draft_ahead_tokens", "Drafts made ahead while the target verified: for the outcome that "
+            "every draft is accepted, after the guess at the target's token (outcome=made), for a rejection "
+            "corrected with the draft's runner-up (outcome=branched), and those a later Propose answered without "
+            "running the model (outcome=reused).",
             ["service", "outcome"], registry=r)
         self.pass_sequences = Histogram(
             "specdec_batch_sequences", "Sessions in each forward pass.", ["service"], registry=r,
@@ -220,9 +226,10 @@ class ServiceMetrics(RpcMetrics):
     def observe_proposed(self, tokens: int) -> None:
         self.proposed_tokens.labels(self.service).inc(tokens)
 
-    def observe_draft_ahead(self, made: int = 0, reused: int = 0) -> None:
+    def observe_draft_ahead(self, made: int = 0, reused: int = 0, branched: int = 0) -> None:
         self.draft_ahead_tokens.labels(self.service, "made").inc(made)
         self.draft_ahead_tokens.labels(self.service, "reused").inc(reused)
+        self.draft_ahead_tokens.labels(self.service, "branched").inc(branched)
 
     def observe_verified(self, drafts: int, accepted: int) -> None:
         self.verified_tokens.labels(self.service).inc(drafts)

@@ -150,3 +150,46 @@ def test_rollback_past_the_end_is_an_error(runner):
     seq.tokens.extend([1, 2])
     with pytest.raises(ValueError, match="only 2 tokens"):
         runner.rollback(seq, 3)
+
+
+def test_a_fork_shares_whole_blocks_copies_the_last_and_a_rollback_into_a_shared_block_copies_it():
+    kv = store(layers=(FULL, WINDOWED), keep_behind=2)
+    a = kv.new_cache()
+    grow(kv, a, 10)
+    for tensors in (kv.keys, kv.values):
+        for t in tensors:
+            t.copy_(torch.randn_like(t))
+    used = kv.used_blocks()
+    fork = kv.fork(a, 7)  # block 0 whole (shared), block 1 partly filled (copied)
+    assert fork.length == 7 and fork.tables[0][0] == a.tables[0][0] and fork.tables[0][1] != a.tables[0][1]
+    assert kv.used_blocks() == used + 1
+    for layer, group in enumerate(kv.group_of):
+        assert torch.equal(kv.keys[layer][kv._slots(a.tables[group][:2])][:7],
+                           kv.keys[layer][kv._slots(fork.tables[group][:2])][:7])
+    grow(kv, fork, 5)  # the branch grows on its own blocks; the source is untouched
+    assert a.length == 10
+    before = kv.keys[0][kv._slots(fork.tables[0][:1])].clone()
+    assert kv.crop(a, 3) == 3 and a.tables[0][0] != fork.tables[0][0]  # into the shared block: a copy of its own
+    assert torch.equal(kv.keys[0][kv._slots(a.tables[0][:1])][:3], before[:3])
+    kv.release(a)
+    kv.release(fork)
+    assert kv.used_blocks() == 0  # shared or not, every block goes back once
+    assert kv.fork(kv.new_cache(), 5).length == 0
+    tight = store(max_tokens=8)
+    src = tight.new_cache()
+    grow(tight, src, 6)
+    with pytest.raises(KVExhausted):
+        tight.fork(src, 6)  # the partly filled block needs one more, and none is left
+    assert tight.fork(src, 4).length == 4  # whole blocks only: shared, nothing taken
+
+
+def test_a_forked_sequence_goes_on_as_the_same_tokens_run_fresh(runner):
+    seq = runner.new_sequence()
+    seq.tokens.extend([3, 1, 4, 1, 5, 9, 2])
+    runner.logits(seq)
+    branch = runner.fork(seq, 5)
+    assert branch.tokens == [3, 1, 4, 1, 5] and branch.cache_length == 5 and seq.cache_length == 7
+    branch.tokens.extend([8, 8])
+    got = runner.logits(branch, 2)
+    assert torch.allclose(got, fresh_logits(runner, [3, 1, 4, 1, 5, 8, 8], 2), atol=1e-5)
+    assert torch.allclose(runner.logits(seq), fresh_logits(runner, [3, 1, 4, 1, 5, 9, 2], 1), atol=1e-5)

@@ -13,7 +13,14 @@ import torch
 
 from draft_service.servicer import add_to_server
 from specdec.core.interfaces import SamplingParams
-from specdec.models.local import DraftRule, draft_ahead, draft_tokens, new_draft_sequence
+from specdec.models.local import (
+    DraftRule,
+    branch_steps,
+    draft_ahead,
+    draft_tokens,
+    new_draft_sequence,
+    result_alone,
+)
 from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
@@ -204,6 +211,48 @@ def test_drafting_ahead_stops_at_the_context(draft):
     assert len(seq.tokens) == draft.max_context
 
 
+@pytest.mark.parametrize("params,k", [(GREEDY, 0), (SAMPLED, 0), (SAMPLED, 6)], ids=["greedy", "dense", "top6"])
+@pytest.mark.parametrize("rejected", [0, 1])
+def test_a_rejection_corrected_with_the_runner_up_reuses_the_branch_drafted_for_it(draft, params, k, rejected):
+    """The target rejects draft ``rejected`` and corrects it with the draft's
+    own runner-up there: the next round's drafts exist already, on a fork that
+    shares the session's blocks, bit for bit what a fresh request makes; and the
+    session goes on from them as one that never branched."""
+    seq, first, _ = round_then_ahead(draft, params, k)
+    position = len(PROMPT) + rejected
+    correction = seq.runner_ups[position]
+    for j in range(2):
+        assert result_alone(draft, branch_steps(draft, seq, len(PROMPT) + j, params, DraftRule(k), 4, NEVER)) == 4
+    second = (position, [correction], 3, params, k)
+    with CountForwards(draft) as forwards:
+        got = list(draft_tokens(draft, seq, *second[:3], params, DraftRule(k)))
+    assert forwards.calls == 0  # all three existed already
+    assert_same_drafts(got, replay(draft, [first, second]))
+    assert seq.tokens[:position] == replay_tokens(draft, [first])[:position] and not seq.branches
+    third = (len(seq.tokens), [7], 2, params, k)
+    assert_same_drafts(list(draft_tokens(draft, seq, *third[:3], params, DraftRule(k))),
+                       replay(draft, [first, second, third]))
+
+
+def test_another_correction_than_the_runner_up_drafts_afresh(draft):
+    seq, first, _ = round_then_ahead(draft, SAMPLED, 6)
+    position = len(PROMPT)
+    result_alone(draft, branch_steps(draft, seq, position, SAMPLED, DraftRule(6), 4, NEVER))
+    other = (seq.runner_ups[position] + 1) % 32
+    second = (position, [other], 3, SAMPLED, 6)
+    with CountForwards(draft) as forwards:
+        got = list(draft_tokens(draft, seq, *second[:3], SAMPLED, DraftRule(6)))
+    assert forwards.calls == 3
+    assert_same_drafts(got, replay(draft, [first, second]))
+
+
+def replay_tokens(runner, requests) -> list[int]:
+    seq = new_draft_sequence(runner)
+    for position, new_tokens, gamma, params, k in requests:
+        list(draft_tokens(runner, seq, position, new_tokens, gamma, params, DraftRule(k)))
+    return seq.tokens
+
+
 # ---------------------------------------------------------------- in the draft service
 
 
@@ -275,3 +324,27 @@ def test_serve_turns_drafting_ahead_off_where_the_draft_would_take_the_targets_c
 
     assert shares({"draft": {1}, "target": {1}, "coordinator": {1}})
     assert not shares({"draft": {0}, "target": {1}, "coordinator": {1}})
+
+
+def test_the_service_answers_a_round_after_an_early_rejection_from_the_branch_it_prepared(loop, tiny_pair, draft):
+    """ProposeAll: the target rejected the first draft and corrected it with the
+    draft's runner-up; the service had drafted that round while the target
+    verified (``prepared``, no forward pass), the very drafts of a fresh request."""
+    service = start_service(loop, "draft", tiny_pair[1])
+    try:
+        with channel(service) as ch:
+            stub = pb_grpc.DraftServiceStub(ch)
+            first = stub.ProposeAll(pc.propose_request("b", 1, 0, PROMPT, 3, GREEDY, 0), timeout=20)
+            assert not first.prepared and len(first.drafts) == 3
+            settle(service)
+            seq = new_draft_sequence(draft)
+            seq.tokens.extend(PROMPT)
+            logits = draft.logits(seq)[0]
+            correction = next(t for t in torch.topk(logits, 2).indices.tolist() if t != first.drafts[0].token)
+            second = stub.ProposeAll(pc.propose_request("b", 2, len(PROMPT), [correction], 3, GREEDY, 0),
+                                     timeout=20)
+        assert second.prepared and second.timing.computed_tokens == 0
+        expected = replay(draft, [(0, PROMPT, 3, GREEDY, 0), (len(PROMPT), [correction], 3, GREEDY, 0)])
+        assert [d.token for d in second.drafts] == [d.token for d in expected]
+    finally:
+        loop.call(service.stop())

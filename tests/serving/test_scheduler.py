@@ -161,6 +161,33 @@ def test_background_work_runs_only_when_no_call_waits_and_a_call_closes_it(make)
     assert runner.passes[-1] == ["call"]
 
 
+def test_background_work_arriving_with_a_call_is_dropped_unstarted(make):
+    """A bet on a session's state that a call arriving at once may change: it
+    never starts (its steps are closed before their first line runs)."""
+    runner = FakeRunner()
+    scheduler = make(runner)
+    started = []
+
+    def ahead():
+        started.append(True)
+        yield Pass(Seq("ahead"))
+
+    hold = threading.Event()
+
+    def blocker():
+        yield Pass(Seq("block"))
+        hold.wait(5)
+
+    first = scheduler.submit(blocker(), ServerTiming())
+    time.sleep(0.05)
+    background = scheduler.submit_background(ahead(), ServerTiming())
+    call = scheduler.submit(steps(Seq("call")), ServerTiming())
+    hold.set()
+    first.result(5)
+    assert call.result(5) == "call" and background.result(5) is None
+    assert not started and ["ahead"] not in runner.passes
+
+
 def test_timing_counts_the_passes_a_call_was_in_and_its_wait(make):
     runner = FakeRunner(delay=0.05)
     scheduler = make(runner, max_sequences=1)
