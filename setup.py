@@ -2,10 +2,10 @@
 
 Everything else about the package is declared in pyproject.toml. The generated
 modules are never committed; ``build_py`` writes them into the build tree (or,
-for an editable install, next to the sources) with the same code that a source
-checkout uses to regenerate them on import: ``specdec/proto/_codegen.py``,
-loaded by path because the ``specdec`` package itself needs torch, which an
-isolated build environment does not have.
+for an editable install, next to the sources); importing the package never
+generates them. The code is ``specdec/proto/_codegen.py``, loaded by path
+because the ``specdec`` package itself needs torch, which an isolated build
+environment does not have.
 """
 
 import importlib.util

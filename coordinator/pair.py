@@ -19,8 +19,8 @@ from collections.abc import Callable
 from coordinator.remote import ServiceClient
 from specdec.core.vocabulary import shared_vocabulary
 from specdec.models.tokenizer import vocabulary_fingerprint
-from specdec.proto import specdec_pb2 as pb
 from specdec.serving import errors
+from specdec.serving.generation import ModelFacts
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -52,7 +52,7 @@ class PairRegistry:
         self._lock = threading.Lock()
         # By client (a replica's address may come back as another pod, with a new client):
         # its ModelInfo while connected, and its drops (a read from before one is not kept).
-        self._infos: weakref.WeakKeyDictionary[ServiceClient, pb.ModelInfo] = weakref.WeakKeyDictionary()
+        self._infos: weakref.WeakKeyDictionary[ServiceClient, ModelFacts] = weakref.WeakKeyDictionary()
         self._epochs: weakref.WeakKeyDictionary[ServiceClient, int] = weakref.WeakKeyDictionary()
         self._watched: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
         self._last: PairInfo | None = None  # the last pair read, to log a change
@@ -99,9 +99,9 @@ class PairRegistry:
             return f"has another vocabulary (size {info.vocab_size}, fingerprint {info.vocab_fingerprint})"
         if info.max_context < pair.context:
             return f"holds a context of {info.max_context}, the turn needs {pair.context}"
-        if client.role == "target" and frozenset(info.eos_token_ids) != pair.eos_token_ids:
+        if client.role == "target" and info.eos_token_ids != pair.eos_token_ids:
             return f"ends on EOS ids {sorted(info.eos_token_ids)}, the turn began with {sorted(pair.eos_token_ids)}"
-        if info.HasField("gamma_max") and info.gamma_max < pair.gamma_max:
+        if info.gamma_max is not None and info.gamma_max < pair.gamma_max:
             return f"takes at most {info.gamma_max} tokens a round (--gamma-max), the turn may ask {pair.gamma_max}"
         return ""
 
@@ -113,7 +113,7 @@ class PairRegistry:
             raise errors.Unavailable(f"the {client.role} service at {client.address} changed during this turn: "
                                      f"it {why}; the turn is stopped, send it again")
 
-    async def info(self, client: ServiceClient, fresh: bool = False) -> pb.ModelInfo:
+    async def info(self, client: ServiceClient, fresh: bool = False) -> ModelFacts:
         """The replica's ModelInfo: held, or asked (and held until its connection drops)."""
         with self._lock:
             info, epoch = self._infos.get(client), self._epochs.get(client, 0)
@@ -134,7 +134,7 @@ class PairRegistry:
                         client.role, client.address, info.model_name, others)
         return info
 
-    def _pair(self, d: pb.ModelInfo, t: pb.ModelInfo, draft_client: ServiceClient,
+    def _pair(self, d: ModelFacts, t: ModelFacts, draft_client: ServiceClient,
               target_client: ServiceClient) -> PairInfo:
         draft, target = self._where(d, draft_client), self._where(t, target_client)
         try:
@@ -148,9 +148,9 @@ class PairRegistry:
                     f"tokenizer mismatch: the coordinator's tokenizer {self.tokenizer_dir} (fingerprint {mine}) "
                     f"is not the one of {target} (fingerprint {t.vocab_fingerprint}): give --tokenizer DIR")
         # A policy growing past a service's limit would fail mid-stream (older services report none).
-        limits = [info.gamma_max for info in (d, t) if info.HasField("gamma_max")]
+        limits = [info.gamma_max for info in (d, t) if info.gamma_max is not None]
         return PairInfo(vocab_size=t.vocab_size, context=min(d.max_context, t.max_context),
-                        eos_token_ids=frozenset(t.eos_token_ids), draft_name=d.model_name,
+                        eos_token_ids=t.eos_token_ids, draft_name=d.model_name,
                         target_name=t.model_name, gamma_max=min([self.gamma_max, *limits]),
                         vocab_fingerprint=t.vocab_fingerprint, draft_vocab_size=d.vocab_size)
 

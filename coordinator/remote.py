@@ -39,6 +39,7 @@ from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
 from specdec.serving import errors
+from specdec.serving.generation import ModelFacts
 from specdec.serving.names import shown
 from specdec.serving.server import DRAFT_SERVICE, TARGET_SERVICE
 from specdec.telemetry.calls import ClientCalls, RpcRecord
@@ -121,7 +122,7 @@ class ServiceClient:
         channel's idle timeout, the same one."""
         self._lost.append(lost)
 
-    async def model_info(self) -> pb.ModelInfo:
+    async def model_info(self) -> ModelFacts:
         """A service that is still starting (not listening yet, or loading its
         model and answering UNAVAILABLE) gets until the deadline. Round calls do
         not wait: a dead service must fail them at once."""
@@ -129,9 +130,9 @@ class ServiceClient:
         while True:
             try:
                 with self.calls.call("GetModelInfo") as call:
-                    return await self.stub.GetModelInfo(
+                    return conv.model_facts_from_proto(await self.stub.GetModelInfo(
                         pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
-                        metadata=call.metadata)
+                        metadata=call.metadata))
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 > deadline:
                     raise self.translate(e, "GetModelInfo") from None

@@ -1,9 +1,9 @@
 """Generate the Python gRPC modules from ``protos/**/*.proto``.
 
-One implementation, used from three places: ``setup.py`` (the build writes the
-modules into the wheel), ``specdec/proto/__init__.py`` (a source checkout
-regenerates them on import when missing or stale) and
+One implementation, used from two places: ``setup.py`` (the build writes the
+modules into the wheel, or next to the sources for an editable install) and
 ``tests/proto/test_proto_codegen.py`` (fails when the package's copy is stale).
+``python specdec/proto/_codegen.py`` regenerates a source checkout's copy.
 
 This file imports nothing outside the standard library at module level, so
 ``setup.py`` can load it by path inside an isolated build environment where

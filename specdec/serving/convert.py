@@ -34,7 +34,7 @@ import numpy as np
 from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving.errors import InvalidRequest
-from specdec.serving.generation import Delta, GenerateJob, GenerationStats
+from specdec.serving.generation import Delta, GenerateJob, GenerationStats, ModelFacts
 from specdec.serving.timing import ServerTiming
 
 if TYPE_CHECKING:
@@ -197,6 +197,16 @@ def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
 
 def timing_from_proto(msg: pb.ServerTiming) -> ServerTiming:
     return ServerTiming(msg.queue_s, msg.compute_s, msg.copy_s, msg.computed_tokens)
+
+
+# ------------------------------------------------------------------ model facts (coordinator side)
+
+
+def model_facts_from_proto(msg: pb.ModelInfo) -> ModelFacts:
+    return ModelFacts(model_name=msg.model_name, vocab_size=msg.vocab_size, vocab_fingerprint=msg.vocab_fingerprint,
+                      max_context=msg.max_context, eos_token_ids=frozenset(msg.eos_token_ids),
+                      gamma_max=msg.gamma_max if msg.HasField("gamma_max") else None,
+                      architecture=msg.architecture, has_tokenizer=msg.has_tokenizer)
 
 
 # ------------------------------------------------------------------ requests (coordinator side)

@@ -94,3 +94,18 @@ class GenerationStats:
     @property
     def bytes_per_round(self) -> float:
         return (self.bytes_sent + self.bytes_received) / self.rounds if self.rounds else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What a draft or target service says it serves (its GetModelInfo), as the
+    coordinator checks a pair with."""
+
+    model_name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    max_context: int
+    eos_token_ids: frozenset[int]
+    gamma_max: int | None = None  # the most drafts a round may carry there (None: not reported)
+    architecture: str = ""
+    has_tokenizer: bool = False

@@ -14,7 +14,7 @@ PACKAGE_OUT = ROOT / "specdec" / "proto"
 
 
 def load_codegen():
-    """By path, as setup.py does (not through the package, whose import regenerates)."""
+    """By path, as setup.py does (the package needs torch; a build environment has none)."""
     spec = importlib.util.spec_from_file_location("_codegen_under_test", PACKAGE_OUT / "_codegen.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -23,7 +23,7 @@ def load_codegen():
 
 def test_generated_code_is_current(tmp_path):
     codegen = load_codegen()
-    import specdec.proto  # noqa: F401  (a source checkout generates on first import)
+    import specdec.proto  # noqa: F401  (the install generated them)
 
     fresh = codegen.render(PROTOS)
     stale = []
@@ -31,7 +31,8 @@ def test_generated_code_is_current(tmp_path):
         have = PACKAGE_OUT / rel
         if not have.is_file() or have.read_bytes() != content:
             stale.append(rel)
-    assert not stale, f"generated modules differ from protos/ (regenerate: python specdec/proto/_codegen.py): {stale}"
+    assert not stale, (f"generated modules differ from protos/ (pip install -e . again, or python "
+                       f"specdec/proto/_codegen.py): {stale}")
     assert codegen.is_current(PROTOS, PACKAGE_OUT)
 
 

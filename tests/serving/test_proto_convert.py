@@ -90,3 +90,11 @@ def test_draft_tokens_verdicts_timings():
     req = pc.verify_request("s", 1, 4, [1], [d], SamplingParams(1.0, seed=1))
     assert list(req.draft_tokens) == [5] and len(req.draft_q) == 1
     assert len(pc.verify_request("s", 1, 4, [1], [d], SamplingParams()).draft_q) == 0  # greedy: no q
+
+
+def test_model_facts_come_out_of_model_info_as_plain_values():
+    facts = pc.model_facts_from_proto(pb.ModelInfo(model_name="t", vocab_size=32, vocab_fingerprint="fp",
+                                                   max_context=64, eos_token_ids=[2, 3], gamma_max=8,
+                                                   has_tokenizer=True))
+    assert facts.eos_token_ids == frozenset({2, 3}) and facts.gamma_max == 8 and facts.has_tokenizer
+    assert pc.model_facts_from_proto(pb.ModelInfo(model_name="old")).gamma_max is None  # not reported
