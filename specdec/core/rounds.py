@@ -8,9 +8,10 @@ session's positions, its round ids, re-pre-fills and cuts: a side never moves a
 position itself, it only reports that it lost the session (:meth:`lost`), and
 the machine asks again from position 0 with the whole history.
 
-Two thin drivers run it: :func:`run_rounds` calls a synchronous proposer and
-verifier (the in-process decoder's local models), :func:`run_rounds_async`
-awaits asynchronous ones (the coordinator's gRPC clients, on its event loop).
+Two thin drivers run it: :func:`run_machine` calls a synchronous proposer and
+verifier (the in-process decoder's local models, through :func:`run_rounds`),
+:func:`run_rounds_async` awaits asynchronous ones (the coordinator's gRPC
+clients, on its event loop).
 Both report each round to an *observer* (the coordinator's makes spans and
 metrics); the machine knows nothing of telemetry.
 
@@ -66,7 +67,7 @@ from specdec.core.interfaces import (
     Verify,
 )
 
-__all__ = ["Limits", "Propose", "RoundMachine", "Verify", "run_rounds", "run_rounds_async"]
+__all__ = ["Limits", "Propose", "RoundMachine", "Verify", "run_machine", "run_rounds", "run_rounds_async"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +219,17 @@ def _cut(new: list[int], limits: Limits, budget: int, room: int) -> tuple[list[i
 
 
 def run_rounds(proposer: Proposer | None, verifier: Verifier, state: SessionState, *, params: SamplingParams,
-               gamma_policy: GammaPolicy, limits: Limits, observer: RoundObserver = NO_OBSERVER,
-               machine: RoundMachine | None = None) -> Iterator[RoundResult]:
-    """Drive a :class:`RoundMachine` with synchronous sides; one result per
-    round as it commits, the last with its ``finish_reason``. ``machine``: drive
-    this one (made by the caller, to read its round id afterwards)."""
-    machine = machine or RoundMachine(state, params=params, gamma_policy=gamma_policy, limits=limits,
-                                      drafting=proposer is not None, observer=observer)
+               gamma_policy: GammaPolicy, limits: Limits, observer: RoundObserver = NO_OBSERVER
+               ) -> Iterator[RoundResult]:
+    """Generate after ``state.tokens`` with synchronous sides; one result per
+    round as it commits, the last with its ``finish_reason``."""
+    machine = RoundMachine(state, params=params, gamma_policy=gamma_policy, limits=limits,
+                           drafting=proposer is not None, observer=observer)
+    return run_machine(proposer, verifier, machine)
+
+
+def run_machine(proposer: Proposer | None, verifier: Verifier, machine: RoundMachine) -> Iterator[RoundResult]:
+    """Drive ``machine`` with synchronous sides: each call it asks for, answered."""
     while (call := machine.next_call()) is not None:
         t0 = time.perf_counter()
         try:
@@ -248,7 +253,7 @@ def run_rounds(proposer: Proposer | None, verifier: Verifier, state: SessionStat
 
 async def run_rounds_async(proposer: AsyncProposer | None, verifier: AsyncVerifier, machine: RoundMachine
                            ) -> AsyncIterator[RoundResult]:
-    """:func:`run_rounds` for sides whose calls are awaited."""
+    """:func:`run_machine` for sides whose calls are awaited."""
     while (call := machine.next_call()) is not None:
         t0 = time.perf_counter()
         try:

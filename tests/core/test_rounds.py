@@ -11,7 +11,7 @@ import pytest
 
 from specdec.core.gamma import StaticGamma
 from specdec.core.interfaces import Drafted, DraftToken, SamplingParams, SessionLost, SessionState, Verdict
-from specdec.core.rounds import Limits, Propose, RoundMachine, Verify, run_rounds, run_rounds_async
+from specdec.core.rounds import Limits, Propose, RoundMachine, Verify, run_machine, run_rounds_async
 
 V = 50
 EOS = 0
@@ -110,8 +110,7 @@ def machine(prompt=PROMPT, gamma=4, n=40, **limits) -> RoundMachine:
 
 def drive(m: RoundMachine, draft, target, mode: str):
     if mode == "sync":
-        return list(run_rounds(draft, target, m.state, params=GREEDY, gamma_policy=m.policy, limits=m.limits,
-                               machine=m))
+        return list(run_machine(draft, target, m))
 
     async def collect():
         sides = AsyncSides(draft, target)
@@ -228,7 +227,7 @@ def test_failover_mid_turn_moves_the_target_to_a_fresh_replica():
 
 def test_a_resumed_turn_goes_on_from_what_was_committed():
     m, draft, target = machine(n=40), FakeDraft(), FakeTarget()
-    rounds = run_rounds(draft, target, m.state, params=GREEDY, gamma_policy=m.policy, limits=m.limits, machine=m)
+    rounds = run_machine(draft, target, m)
     for _ in range(3):
         next(rounds)
     rounds.close()  # the coordinator died: what it committed is in the directory
@@ -262,8 +261,7 @@ def test_a_failed_call_ends_the_round_and_is_reported():
     m = RoundMachine(SessionState(list(PROMPT)), params=GREEDY, gamma_policy=StaticGamma(2), limits=Limits(20, 99),
                      observer=Observer())
     with pytest.raises(RuntimeError):
-        list(run_rounds(FakeDraft(), Broken(), m.state, params=GREEDY, gamma_policy=m.policy, limits=m.limits,
-                        machine=m))
+        list(run_machine(FakeDraft(), Broken(), m))
     assert seen == [("start", 0), ("done",), ("start", 1), ("failed", "target down")]
 
 
