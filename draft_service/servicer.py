@@ -185,5 +185,7 @@ async def _next_or_failure(queue: asyncio.Queue, job: asyncio.Future):
 
 
 def add_to_server(host: ModelHost, server) -> None:
-    host.new_state, host.state_size = new_draft_sequence, held_tokens
+    branching = host.config.draft_ahead  # runner-ups kept only where branches are drafted
+    host.new_state = lambda runner: new_draft_sequence(runner, branching)
+    host.state_size = held_tokens
     pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(host), server)

@@ -83,8 +83,9 @@ def draft_steps(
     ahead, seq.ahead = seq.ahead, None  # valid until the sequence next changes: now
     branches, seq.branches = seq.branches, []  # (the others' blocks go back when they are dropped)
     branch = next((b for b in branches if b.reusable(position, new_tokens, params, rule)), None)
-    runner_ups = branch.seq.runner_ups if branch is not None else seq.runner_ups
-    seq.runner_ups = {p: t for p, t in runner_ups.items() if p >= position}  # the drafts this call keeps
+    if seq.runner_ups is not None:  # those of the drafts this call keeps
+        runner_ups = branch.seq.runner_ups if branch is not None else seq.runner_ups
+        seq.runner_ups = {p: t for p, t in runner_ups.items() if p >= position}
     if branch is not None:  # the session goes on as the branch: it holds new_tokens and drafts after position
         seq.tokens, seq.cache = branch.seq.tokens, branch.seq.cache
         reused = branch.drafts[:gamma]
@@ -131,7 +132,7 @@ def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, rule: 
             token = int(q.ids[sample(q.probs, u)])
         else:
             token = sample(q, u)
-    if isinstance(seq, DraftSequence):
+    if isinstance(seq, DraftSequence) and seq.runner_ups is not None:
         seq.runner_ups[len(seq.tokens)] = runner_up(logits, token)
     seq.tokens.append(token)
     return DraftToken(token, q)
@@ -156,7 +157,7 @@ class DraftSequence(Sequence):
 
     ahead: DraftsAhead | None = None
     branches: list[Branch] = dataclasses.field(default_factory=list)
-    runner_ups: dict[int, int] = dataclasses.field(default_factory=dict)
+    runner_ups: dict[int, int] | None = None  # None: not kept (no branches drafted for this session)
 
 
 @dataclasses.dataclass
@@ -180,8 +181,10 @@ class Branch:
                 and rule == self.rule and bool(self.drafts))
 
 
-def new_draft_sequence(runner: ModelRunner) -> DraftSequence:
-    return DraftSequence(tokens=[], cache=runner.new_cache())
+def new_draft_sequence(runner: ModelRunner, branching: bool = False) -> DraftSequence:
+    """An empty draft session; ``branching``: it keeps each draft's runner-up,
+    for :func:`branch_steps` (a top-2 per draft that nothing else needs)."""
+    return DraftSequence(tokens=[], cache=runner.new_cache(), runner_ups={} if branching else None)
 
 
 @dataclasses.dataclass
@@ -264,14 +267,14 @@ def branch_steps(runner: ModelRunner, seq: DraftSequence, position: int, params:
 
     The drafts come from the tokens before them, the params and the rule, as a
     fresh request's would: a prepared draft is just a draft, with its exact q."""
-    token = seq.runner_ups.get(position)
+    token = (seq.runner_ups or {}).get(position)
     if token is None or position > len(seq.tokens) or stop():
         return 0
     try:
         fork = runner.fork(seq, position)
     except KVExhausted:
         return 0
-    fork = DraftSequence(tokens=[*fork.tokens, token], cache=fork.cache)
+    fork = DraftSequence(tokens=[*fork.tokens, token], cache=fork.cache, runner_ups={})
     branch = Branch(position, token, fork, [], params, rule)
     seq.branches.append(branch)
     while len(branch.drafts) < count and len(fork.tokens) < runner.max_context and not stop():

@@ -89,7 +89,7 @@ START = len(PROMPT) + 3  # where drafting ahead starts after the first round's t
 def round_then_ahead(runner, params, k, count=6):
     """A first round of three drafts after PROMPT, then drafting ahead; returns
     the sequence, the first request and the guess at the target's token."""
-    seq = new_draft_sequence(runner)
+    seq = new_draft_sequence(runner, branching=True)
     first = (0, PROMPT, 3, params, k)
     list(draft_tokens(runner, seq, *first[:3], params, DraftRule(k)))
     assert draft_ahead(runner, seq, params, DraftRule(k), count, NEVER) == count
