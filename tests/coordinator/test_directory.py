@@ -123,13 +123,21 @@ async def test_one_shot_requests_hold_nothing():
         assert a is True and b is True
 
 
-@on_a_loop
-async def test_a_cancelled_request_is_waited_for_until_it_ends():
+async def holder_gone():
+    """A request holding session "s" whose client has gone: it is still ending
+    until ``release`` is set. Returns (the leases, release, its task)."""
     sessions, release, got = SessionLeases(), asyncio.Event(), []
     gone = asyncio.Event()
     first = asyncio.create_task(held(sessions, "s", gone, release, got))
     await asyncio.sleep(0)
-    gone.set()  # after it got the session: its client has gone, it is still ending
+    gone.set()  # after it got the session
+    first.got = got  # what it yielded: True once it held the session
+    return sessions, release, first
+
+
+@on_a_loop
+async def test_a_cancelled_request_is_waited_for_until_it_ends():
+    sessions, release, first = await holder_gone()
     loop = asyncio.get_running_loop()
     loop.call_later(0.2, release.set)
     started = loop.time()
@@ -141,11 +149,7 @@ async def test_a_cancelled_request_is_waited_for_until_it_ends():
 @on_a_loop
 async def test_a_cancelled_request_that_does_not_end_is_waited_for_closing_wait_s(monkeypatch):
     monkeypatch.setattr(leases, "CLOSING_WAIT_S", 0.2)
-    sessions, release, got = SessionLeases(), asyncio.Event(), []
-    gone = asyncio.Event()
-    first = asyncio.create_task(held(sessions, "s", gone, release, got))
-    await asyncio.sleep(0)
-    gone.set()  # after it got the session: its client has gone, it is still ending
+    sessions, release, first = await holder_gone()
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(errors.FailedPrecondition, match="already generating"):
@@ -158,18 +162,14 @@ async def test_a_cancelled_request_that_does_not_end_is_waited_for_closing_wait_
 
 @on_a_loop
 async def test_a_waiting_request_cancelled_itself_yields_false_at_once():
-    sessions, release, got = SessionLeases(), asyncio.Event(), []
-    gone = asyncio.Event()
-    first = asyncio.create_task(held(sessions, "s", gone, release, got))
-    await asyncio.sleep(0)
-    gone.set()  # after it got the session: its client has gone, it is still ending
+    sessions, release, first = await holder_gone()
     mine = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.call_later(0.1, mine.set)
     started = loop.time()
     async with sessions.hold("s", mine) as ok:
         assert ok is False and loop.time() - started < 1.0  # not the 10 s CLOSING_WAIT_S
-    assert got == [True]
+    assert first.got == [True]
     release.set()
     await first
     async with sessions.hold("s") as ok:  # the one that yielded False held nothing

@@ -73,8 +73,9 @@ def make():
         s.close()
 
 
-def submit_together(scheduler, runner, works, timings=None):
-    """Submit ``works`` while the model thread is busy, so they meet in one pass."""
+def submit_together(scheduler, runner, works, timings=None, before=lambda: None):
+    """Submit ``works`` while the model thread is busy, so they meet in one pass
+    (``before()`` runs just before they are submitted)."""
     hold = threading.Event()
 
     def blocker():
@@ -84,6 +85,7 @@ def submit_together(scheduler, runner, works, timings=None):
     first = scheduler.submit(blocker(), ServerTiming())
     time.sleep(0.05)
     timings = timings or [ServerTiming() for _ in works]
+    before()
     futures = [scheduler.submit(w, t) for w, t in zip(works, timings, strict=True)]
     hold.set()
     first.result(5)
@@ -172,19 +174,10 @@ def test_background_work_arriving_with_a_call_is_dropped_unstarted(make):
         started.append(True)
         yield Pass(Seq("ahead"))
 
-    hold = threading.Event()
-
-    def blocker():
-        yield Pass(Seq("block"))
-        hold.wait(5)
-
-    first = scheduler.submit(blocker(), ServerTiming())
-    time.sleep(0.05)
-    background = scheduler.submit_background(ahead(), ServerTiming())
-    call = scheduler.submit(steps(Seq("call")), ServerTiming())
-    hold.set()
-    first.result(5)
-    assert call.result(5) == "call" and background.result(5) is None
+    background = []
+    (call,) = submit_together(scheduler, runner, [steps(Seq("call"))],
+                              before=lambda: background.append(scheduler.submit_background(ahead(), ServerTiming())))
+    assert call.result(5) == "call" and background[0].result(5) is None
     assert not started and ["ahead"] not in runner.passes
 
 
