@@ -40,9 +40,9 @@ import pathlib
 import sys
 from collections.abc import Callable
 
-from draft_service.servicer import DRAFT_AHEAD_EXTRA
 from specdec.core.gamma import AdaptiveGamma, GammaPolicy, HeuristicGamma, RoundCost, StaticGamma
 from specdec.core.interfaces import RoundResult
+from specdec.draft_service.servicer import DRAFT_AHEAD_EXTRA
 
 PROMPT_TOKENS = 128  # as in specdec bench
 

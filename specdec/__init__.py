@@ -5,7 +5,8 @@ verification math, the round loop, γ policies, the interfaces),
 ``specdec.models`` (model runner, KV-cache adapter, local proposer and
 verifier, the in-process decoder), ``specdec.telemetry`` (traces and metrics),
 ``specdec.serving`` (what the gRPC services share, and the client), then the
-services (``draft_service``, ``target_service``, ``coordinator``) and the
+services (``specdec.draft_service``, ``specdec.target_service``,
+``specdec.coordinator``) and the
 command line. ``specdec.tools`` (benchmarks, training, network emulation) is
 not the runtime. See docs/architecture.md.
 

@@ -42,9 +42,9 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
     """Start a draft or target service on 127.0.0.1 (a free port) and wait until
     it serves."""
     if role == "draft":
-        from draft_service.servicer import add_to_server
+        from specdec.draft_service.servicer import add_to_server
     else:
-        from target_service.servicer import add_to_server
+        from specdec.target_service.servicer import add_to_server
     values = {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}
     config = CONFIG_CLASSES[role](**values)
     service, _ = loop.call(start_model_service(config, add_to_server))

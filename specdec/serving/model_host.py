@@ -2,7 +2,7 @@
 that batches its passes, the session store, request validation, timings,
 ModelInfo/EndSession, command-line flags and the process entry point.
 
-The servicers in ``draft_service/`` and ``target_service/`` only say what their
+The servicers in ``specdec/draft_service/`` and ``specdec/target_service/`` only say what their
 RPC does (decode -> :func:`specdec.models.local.draft_steps` / ``verify_steps`` ->
 encode); everything else is here, written once.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.admission import ClientLimits
+from specdec.coordinator.admission import ClientLimits
 from specdec.serving import errors
 
 

@@ -15,10 +15,10 @@ import time
 import grpc
 import pytest
 
-from coordinator.directory import InMemoryDirectory, SessionRecord
-from coordinator.engine import Coordinator
-from coordinator.learned_gamma import regime
-from coordinator.requests import parse_gamma_policy
+from specdec.coordinator.directory import InMemoryDirectory, SessionRecord
+from specdec.coordinator.engine import Coordinator
+from specdec.coordinator.learned_gamma import regime
+from specdec.coordinator.requests import parse_gamma_policy
 from specdec.core.gamma import AdaptiveGamma, HeuristicGamma, StaticGamma
 from specdec.core.vocabulary import size_fingerprint
 from specdec.models.tokenizer import load_tokenizer
@@ -545,7 +545,7 @@ def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
     stored, and gets no error after them."""
     import asyncio
 
-    from coordinator.service import CoordinatorServicer
+    from specdec.coordinator.service import CoordinatorServicer
 
     class SlowEngine:
         async def generate(self, job):
@@ -645,7 +645,7 @@ def test_directory_stores_copies():
 def test_coordinator_flags_fall_back_to_the_environment(capsys, monkeypatch):
     import argparse
 
-    from coordinator.server import add_arguments
+    from specdec.coordinator.server import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -719,7 +719,7 @@ def test_the_first_request_teaches_the_next_ones_nothing(fakes):
 
 
 def test_a_tokenizer_directory_without_a_tokenizer_is_refused_at_startup(tmp_path):
-    from coordinator.tokenizer_source import TokenizerSource
+    from specdec.coordinator.tokenizer_source import TokenizerSource
 
     with pytest.raises(ValueError, match="no tokenizer.json or tokenizer_config.json"):
         TokenizerSource.for_config(CoordinatorConfig(tokenizer=str(tmp_path)))

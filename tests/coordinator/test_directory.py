@@ -8,9 +8,9 @@ import functools
 
 import pytest
 
-from coordinator import leases
-from coordinator.directory import InMemoryDirectory, Lease, SessionRecord, TurnRecord
-from coordinator.leases import SessionLeases
+from specdec.coordinator import leases
+from specdec.coordinator.directory import InMemoryDirectory, Lease, SessionRecord, TurnRecord
+from specdec.coordinator.leases import SessionLeases
 from specdec.serving import errors
 
 

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.pools import DnsName, ReplicaPool, ReplicaStatus, parse_addresses, resolve
-from coordinator.remote import ServiceClient
+from specdec.coordinator.pools import DnsName, ReplicaPool, ReplicaStatus, parse_addresses, resolve
+from specdec.coordinator.remote import ServiceClient
 from specdec.serving import errors
 from specdec.serving.server import TARGET_SERVICE
 

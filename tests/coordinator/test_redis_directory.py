@@ -16,8 +16,8 @@ import pytest
 import redis
 from redis_server import RedisServer
 
-from coordinator.directory import Lease, SessionRecord, TurnRecord
-from coordinator.redis_directory import RedisDirectory, session_keys
+from specdec.coordinator.directory import Lease, SessionRecord, TurnRecord
+from specdec.coordinator.redis_directory import RedisDirectory, session_keys
 from specdec.serving import errors
 from specdec.serving.config import redacted_url as redacted
 

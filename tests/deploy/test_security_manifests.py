@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from coordinator.pools import DnsName, parse_addresses
+from specdec.coordinator.pools import DnsName, parse_addresses
 
 import kube
 

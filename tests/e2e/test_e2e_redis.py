@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_server import RedisServer
 from test_e2e import coordinator, model_service
 
-from coordinator.redis_directory import RedisDirectory
 from specdec import SpeculativeDecoder
+from specdec.coordinator.redis_directory import RedisDirectory
 from specdec.serving import errors
 from specdec.serving.client import Client, Delta
 

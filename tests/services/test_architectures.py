@@ -39,11 +39,11 @@ class Stack:
     """Draft and target services and a coordinator, in this process."""
 
     def __init__(self, loop: LoopThread, target, draft, **coordinator):
-        from coordinator.server import start_coordinator
-        from draft_service.servicer import add_to_server as add_draft
+        from specdec.coordinator.server import start_coordinator
+        from specdec.draft_service.servicer import add_to_server as add_draft
         from specdec.serving.config import CONFIG_CLASSES
         from specdec.serving.model_host import start_model_service
-        from target_service.servicer import add_to_server as add_target
+        from specdec.target_service.servicer import add_to_server as add_target
 
         self.loop = loop
         self.metrics = ServiceMetrics("target")

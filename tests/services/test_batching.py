@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.engine import Coordinator
 from specdec import SpeculativeDecoder
+from specdec.coordinator.engine import Coordinator
 from specdec.core.interfaces import SamplingParams
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc

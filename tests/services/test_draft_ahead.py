@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from draft_service.servicer import add_to_server
 from specdec.core.interfaces import SamplingParams
+from specdec.draft_service.servicer import add_to_server
 from specdec.models.local import (
     DraftRule,
     branch_steps,

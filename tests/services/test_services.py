@@ -243,7 +243,7 @@ def test_health_serving_and_reflection_lists_services(services):
 
 
 def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, monkeypatch):
-    from draft_service.servicer import add_to_server
+    from specdec.draft_service.servicer import add_to_server
     from specdec.serving.config import DraftConfig
     from specdec.serving.model_host import ModelHost, start_model_service
 

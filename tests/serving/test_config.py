@@ -148,8 +148,8 @@ def test_serve_without_a_tokenizer_serves_prompt_ids(tiny_pair, monkeypatch):
     start asks the target for its tokenizer, finds none, and takes prompt_ids."""
     import subprocess
 
-    from coordinator.server import add_arguments, start_coordinator
     from specdec.cli import serve
+    from specdec.coordinator.server import add_arguments, start_coordinator
     from specdec.serving import errors
     from specdec.serving.client import Client
 

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from coordinator.pools import Replica, ReplicaPool
+from specdec.coordinator.pools import Replica, ReplicaPool
 from specdec.serving import errors
 
 log = logging.getLogger("specdec.coordinator")

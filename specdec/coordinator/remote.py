@@ -4,7 +4,7 @@ and Verifier (specdec.core.rounds), so the coordinator runs the very same round
 as the in-process decoder.
 
 Every call carries a deadline and the session's round id, and goes to the
-turn's replica of its role (:mod:`coordinator.pinning`). When a service answers
+turn's replica of its role (:mod:`specdec.coordinator.pinning`). When a service answers
 NOT_FOUND (it evicted the session, or restarted), the side reports the session
 lost and the round machine asks again from position 0 with the whole token
 history: the service re-pre-fills and the round goes on as if nothing happened
@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
-from coordinator.pinning import Pinned
-from coordinator.pools import Replica
+from specdec.coordinator.pinning import Pinned
+from specdec.coordinator.pools import Replica
 from specdec.core.interfaces import Drafted, DraftToken, PassLoad, Propose, SessionLost, Verdict, Verify
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc

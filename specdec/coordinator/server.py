@@ -80,10 +80,10 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
     pair that is not up yet is checked again at the first request). ``telemetry``
     adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
-    from coordinator.admission import ClientLimits
-    from coordinator.engine import Coordinator
-    from coordinator.service import CoordinatorServicer
-    from coordinator.tokenizer_source import TokenizerSource
+    from specdec.coordinator.admission import ClientLimits
+    from specdec.coordinator.engine import Coordinator
+    from specdec.coordinator.service import CoordinatorServicer
+    from specdec.coordinator.tokenizer_source import TokenizerSource
     from specdec.serving.auth import parse_tokens
 
     tokenizers = TokenizerSource.for_config(config)

@@ -15,7 +15,7 @@ client got last.
 
 Two directories implement :class:`SessionDirectory`: :class:`InMemoryDirectory`
 (one coordinator, nothing to install) and
-:class:`coordinator.redis_directory.RedisDirectory` (shared by coordinator
+:class:`specdec.coordinator.redis_directory.RedisDirectory` (shared by coordinator
 replicas). Writes go through a :class:`Lease`: one request per session at a time,
 across every coordinator sharing the directory. Both are asynchronous and run on
 the caller's event loop (the coordinator's one loop).
@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from coordinator.leases import SessionLeases
+from specdec.coordinator.leases import SessionLeases
 
 log = logging.getLogger("specdec.coordinator")
 

@@ -23,13 +23,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
-from coordinator.learned_gamma import regime
-from coordinator.pair import PairInfo, PairRegistry
-from coordinator.pinning import Pinned
-from coordinator.pools import Replica
-from coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, SideStats
-from coordinator.requests import Request
+from specdec.coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
+from specdec.coordinator.learned_gamma import regime
+from specdec.coordinator.pair import PairInfo, PairRegistry
+from specdec.coordinator.pinning import Pinned
+from specdec.coordinator.pools import Replica
+from specdec.coordinator.remote import RemoteProposer, RemoteSession, RemoteVerifier, SideStats
+from specdec.coordinator.requests import Request
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.core.interfaces import RoundObserver, RoundResult, SamplingParams, SessionState
 from specdec.core.rounds import Limits, RoundMachine, run_rounds_async

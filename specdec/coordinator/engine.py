@@ -1,15 +1,15 @@
 """The coordinator's work, independent of gRPC serving, as a pipeline of named
 pieces:
 
-* :class:`coordinator.pair.PairRegistry` — what the draft and target serve,
+* :class:`specdec.coordinator.pair.PairRegistry` — what the draft and target serve,
   checked to work together;
-* :class:`coordinator.requests.RequestCheck` — a job's checks, before any
+* :class:`specdec.coordinator.requests.RequestCheck` — a job's checks, before any
   session is touched;
-* :class:`coordinator.directory.SessionDirectory` — each session's history and
+* :class:`specdec.coordinator.directory.SessionDirectory` — each session's history and
   last turn, and its lease: one request per session at a time (in memory, or
   in Redis shared by coordinator replicas);
-* :class:`coordinator.learned_gamma.LearnedGamma` — adaptive γ's warm start;
-* :class:`coordinator.turn.Turn` — the session's rounds, committed or rolled
+* :class:`specdec.coordinator.learned_gamma.LearnedGamma` — adaptive γ's warm start;
+* :class:`specdec.coordinator.turn.Turn` — the session's rounds, committed or rolled
   back, and the stats;
 
 and the telemetry around them (a span per Generate, the round observer).
@@ -29,15 +29,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
-from coordinator.learned_gamma import LearnedGamma, regime
-from coordinator.pair import PairInfo, PairRegistry
-from coordinator.pinning import Pinned, pin
-from coordinator.pools import DnsName, ReplicaPool, parse_addresses
-from coordinator.remote import ServiceClient
-from coordinator.requests import Request, RequestCheck
-from coordinator.tokenizer_source import TokenizerSource
-from coordinator.turn import Services, Turn, open_record
+from specdec.coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
+from specdec.coordinator.learned_gamma import LearnedGamma, regime
+from specdec.coordinator.pair import PairInfo, PairRegistry
+from specdec.coordinator.pinning import Pinned, pin
+from specdec.coordinator.pools import DnsName, ReplicaPool, parse_addresses
+from specdec.coordinator.remote import ServiceClient
+from specdec.coordinator.requests import Request, RequestCheck
+from specdec.coordinator.tokenizer_source import TokenizerSource
+from specdec.coordinator.turn import Services, Turn, open_record
 from specdec.core.gamma import AdaptiveGamma, StaticGamma
 from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
@@ -285,7 +285,7 @@ def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:
     otherwise one in this process's memory."""
     if not config.redis:
         return InMemoryDirectory(config.max_sessions)
-    from coordinator.redis_directory import RedisDirectory
+    from specdec.coordinator.redis_directory import RedisDirectory
 
     return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s, metrics=metrics)
 

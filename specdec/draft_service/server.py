@@ -1,6 +1,6 @@
-"""``specdec target-service``: serve the target model over gRPC (default port 50053).
+"""``specdec draft-service``: serve the draft model over gRPC (default port 50052).
 
-Every flag falls back to an environment variable (``SPECDEC_TARGET_PORT``,
+Every flag falls back to an environment variable (``SPECDEC_DRAFT_PORT``,
 ``SPECDEC_MAX_SESSIONS`` ...; see ``--help``), then to a default.
 """
 
@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.serving.config import TargetConfig, add_flags
+from specdec.serving.config import DraftConfig, add_flags
 
-ROLE = "target"
+ROLE = "draft"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, TargetConfig)
+    add_flags(parser, DraftConfig)
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.draft_service.servicer import add_to_server
     from specdec.serving.model_host import run_service
-    from target_service.servicer import add_to_server
 
     return run_service(args, ROLE, add_to_server)

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from coordinator.remote import ServiceClient
+from specdec.coordinator.remote import ServiceClient
 from specdec.core.vocabulary import shared_vocabulary
 from specdec.models.tokenizer import vocabulary_fingerprint
 from specdec.serving import errors

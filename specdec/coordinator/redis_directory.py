@@ -43,8 +43,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from coordinator.directory import Lease, SessionRecord
-from coordinator.leases import SessionLeases
+from specdec.coordinator.directory import Lease, SessionRecord
+from specdec.coordinator.leases import SessionLeases
 from specdec.serving import errors
 from specdec.serving.config import redacted_url
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from coordinator.pair import PairInfo
+from specdec.coordinator.pair import PairInfo
 from specdec.core import gamma as gamma_policies
 from specdec.core.gamma import GammaPolicy
 from specdec.core.interfaces import SamplingParams

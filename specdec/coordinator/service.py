@@ -9,7 +9,7 @@ session in both services before the call is done.
 Admission: at most ``--max-streams`` streams at once on this coordinator,
 beyond which a Generate is refused with RESOURCE_EXHAUSTED and a retry hint
 (another coordinator may have room), and per-client limits
-(:mod:`coordinator.admission`).
+(:mod:`specdec.coordinator.admission`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import asyncio
 import contextvars
 import logging
 
-from coordinator.admission import ClientLimits
-from coordinator.engine import Coordinator
+from specdec.coordinator.admission import ClientLimits
+from specdec.coordinator.engine import Coordinator
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import auth, errors
