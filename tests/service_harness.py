@@ -42,12 +42,12 @@ def start_service(loop: LoopThread, role: str, model, **overrides) -> RunningSer
     """Start a draft or target service on 127.0.0.1 (a free port) and wait until
     it serves."""
     if role == "draft":
-        from specdec.draft_service.servicer import add_to_server
+        from specdec.draft_service.servicer import DRAFT as service_role
     else:
-        from specdec.target_service.servicer import add_to_server
+        from specdec.target_service.servicer import TARGET as service_role
     values = {"model": str(model), "host": "127.0.0.1", "port": 0, "device": TEST_DEVICE, **overrides}
     config = CONFIG_CLASSES[role](**values)
-    service, _ = loop.call(start_model_service(config, add_to_server))
+    service, _ = loop.call(start_model_service(config, service_role))
     return service
 
 

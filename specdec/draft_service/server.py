@@ -10,15 +10,13 @@ import argparse
 
 from specdec.serving.config import DraftConfig, add_flags
 
-ROLE = "draft"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, DraftConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdec.draft_service.servicer import add_to_server
+    from specdec.draft_service.servicer import DRAFT
     from specdec.serving.model_host import run_service
 
-    return run_service(args, ROLE, add_to_server)
+    return run_service(args, DRAFT)

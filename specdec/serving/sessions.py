@@ -46,6 +46,29 @@ log = logging.getLogger(__name__)
 S = TypeVar("S")  # the per-session state: a Sequence in the services
 
 
+def tokens_held(seq) -> int:
+    """A plain sequence's size: its tokens."""
+    return len(seq.tokens)
+
+
+def no_headroom(block_size: int) -> int:
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionKind(Generic[S]):
+    """What a service's sessions are, given by the service when it starts:
+    ``new_state(model)`` makes an empty session's state on the loaded model
+    (a :class:`~specdec.models.runner.ModelRunner`); ``size(state)`` is how many
+    tokens it holds (what the KV budget bounds); ``kv_headroom(block_size)`` is
+    how many KV positions beyond the budget the service's own work on its
+    sessions may hold (drafting ahead), which its model's pool must add."""
+
+    new_state: Callable[[Any], S]
+    size: Callable[[S], int] = tokens_held
+    kv_headroom: Callable[[int], int] = no_headroom
+
+
 @dataclasses.dataclass
 class Session(Generic[S]):
     id: str
@@ -102,7 +125,7 @@ class SessionStore(Generic[S]):
         max_sessions: int,
         max_cached_tokens: int,
         ttl_s: float,
-        size: Callable[[S], int] = lambda seq: len(seq.tokens),
+        size: Callable[[S], int] = tokens_held,
         clock: Callable[[], float] = time.monotonic,
         granule: int = 1,
     ):
@@ -236,6 +259,14 @@ class SessionStore(Generic[S]):
             dropped += 1
             log.info("session %r expired after %.0f s idle", shown(sid), self.ttl_s)
         return dropped
+
+    async def expire_forever(self) -> None:
+        """Expire idle sessions even when no call arrives to trigger it (the
+        service runs it as a task while it serves)."""
+        period = max(0.5, min(self.ttl_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            self.sweep()
 
     # ------------------------------------------------------------------ internals
 

@@ -10,8 +10,6 @@ import argparse
 
 from specdec.serving.config import TargetConfig, add_flags
 
-ROLE = "target"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TargetConfig)
@@ -19,6 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdec.serving.model_host import run_service
-    from specdec.target_service.servicer import add_to_server
+    from specdec.target_service.servicer import TARGET
 
-    return run_service(args, ROLE, add_to_server)
+    return run_service(args, TARGET)

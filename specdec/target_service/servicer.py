@@ -4,19 +4,24 @@ pass, batched with other sessions'; then one per token asked for by
 ``decode_tokens``), answer the verdict.
 
 Validation, sessions, the batched model passes and timings are shared with the
-draft service in :mod:`specdec.serving.model_host`.
+draft service (:mod:`specdec.serving.model_host`); a target session is a plain
+sequence (:data:`TARGET`).
 """
 
 from __future__ import annotations
 
 from specdec.core.interfaces import DraftToken
 from specdec.models.local import verify_steps
+from specdec.models.runner import ModelRunner
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as pc
+from specdec.serving.config import ServiceConfig
 from specdec.serving.errors import InvalidRequest
-from specdec.serving.model_host import ModelHost, sampling_key
+from specdec.serving.model_host import ModelHost, ServiceRole
+from specdec.serving.sessions import SessionKind
 from specdec.serving.timing import ServerTiming
+from specdec.serving.validation import check_round, check_vocab, sampling_key
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
@@ -24,27 +29,29 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.host = host
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
-        host = self.host
+        worker = self.host.worker
+        runner = worker.require_ready()
         tokens, decode = list(request.draft_tokens), request.decode_tokens
-        params = host.check_round(request.session_id, request.position, request.new_tokens,
-                                  request.sampling, gamma=len(tokens), gamma_field="draft_tokens", decode=decode)
-        host.check_vocab(tokens, "draft_tokens")
+        params = check_round(runner, self.host.config.gamma_max, request.session_id, request.position,
+                             request.new_tokens, request.sampling, gamma=len(tokens), gamma_field="draft_tokens",
+                             decode=decode)
+        check_vocab(runner, tokens, "draft_tokens")
         qs = [None] * len(tokens) if params.greedy else self._draft_q(request, tokens)
         new_tokens = list(request.new_tokens)
         key = (request.position, tuple(new_tokens), tuple(tokens), sampling_key(request.sampling), decode)
         grows = len(new_tokens) + len(tokens) + 1 + decode
-        async with host.session(request.session_id, request.position, grows) as session:
+        async with self.host.sessions.open(request.session_id, request.position, reserve=grows) as session:
             recorded = session.replay(request.round_id, key)
             if recorded is not None:  # a retried round: answered, not applied twice
                 return recorded
             timing = ServerTiming()
 
             def steps():
-                drafts = [DraftToken(t, host.to_device(q, timing)) for t, q in zip(tokens, qs, strict=True)]
-                return (yield from verify_steps(host.runner, session.state, request.position, new_tokens, drafts,
+                drafts = [DraftToken(t, worker.to_device(q, timing)) for t, q in zip(tokens, qs, strict=True)]
+                return (yield from verify_steps(runner, session.state, request.position, new_tokens, drafts,
                                                 params, decode))
 
-            verdict = await host.run_steps(steps(), timing)
+            verdict = await worker.run_steps(steps(), timing)
             response = pc.verdict_to_proto(verdict, timing)
             session.record(request.round_id, key, response)
             return response
@@ -57,7 +64,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 f"draft_q has {len(request.draft_q)} distributions for {len(tokens)} draft_tokens; "
                 "sampling needs exactly one per draft"
             )
-        vocab = self.host.runner.vocab_size
+        vocab = self.host.worker.runner.vocab_size
         qs = []
         for i, (token, msg) in enumerate(zip(tokens, request.draft_q, strict=True)):
             q = pc.dist_from_proto(msg, vocab, f"draft_q[{i}]")
@@ -77,5 +84,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             yield pb.TokenizerChunk(file=name, data=data)
 
 
+def target_sessions(config: ServiceConfig) -> SessionKind:
+    """A target session: a plain sequence, sized by its tokens; no KV beyond the budget."""
+    return SessionKind(new_state=ModelRunner.new_sequence)
+
+
 def add_to_server(host: ModelHost, server) -> None:
     pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(host), server)
+
+
+TARGET = ServiceRole("target", add_to_server, target_sessions)

@@ -10,12 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec.draft_service.servicer import DRAFT
 from specdec.models import bundled
 from specdec.models.batched import BatchedModel
 from specdec.models.lean_llama import LeanLlama, unsupported_reason
 from specdec.models.runner import ModelRunner
 from specdec.serving.config import DraftConfig, TargetConfig
 from specdec.serving.model_host import ModelHost
+from specdec.target_service.servicer import TARGET
 
 from logit_check import Sessions
 from tiny_models import TEST_DEVICE
@@ -113,11 +115,12 @@ def test_both_services_run_lean_unless_told_not_to_and_batch_either_way(role, le
     import asyncio
 
     config = (DraftConfig if role == "draft" else TargetConfig)(port=0, lean_forward=lean)
+    service_role = DRAFT if role == "draft" else TARGET
 
     async def load():
-        host = ModelHost(config)
+        host = ModelHost(config, service_role.session_kind(config))
         await host.load()
         host.close()
-        return host.runner.lean, host.scheduler.max_sequences
+        return host.worker.runner.lean, host.worker.scheduler.max_sequences
 
     assert asyncio.run(load()) == (lean, config.max_batch)

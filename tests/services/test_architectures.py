@@ -40,19 +40,19 @@ class Stack:
 
     def __init__(self, loop: LoopThread, target, draft, **coordinator):
         from specdec.coordinator.server import start_coordinator
-        from specdec.draft_service.servicer import add_to_server as add_draft
+        from specdec.draft_service.servicer import DRAFT
         from specdec.serving.config import CONFIG_CLASSES
         from specdec.serving.model_host import start_model_service
-        from specdec.target_service.servicer import add_to_server as add_target
+        from specdec.target_service.servicer import TARGET
 
         self.loop = loop
         self.metrics = ServiceMetrics("target")
         self.services = []
-        for role, model, add in (("draft", draft, add_draft), ("target", target, add_target)):
+        for role, model, service_role in (("draft", draft, DRAFT), ("target", target, TARGET)):
             config = CONFIG_CLASSES[role](model=str(model), host="127.0.0.1", port=0, device=TEST_DEVICE,
                                           max_batch=SESSIONS)
             telemetry = ServiceTelemetry(role, self.metrics) if role == "target" else None
-            service, _ = loop.call(start_model_service(config, add, telemetry=telemetry))
+            service, _ = loop.call(start_model_service(config, service_role, telemetry=telemetry))
             self.services.append(service)
         config = CoordinatorConfig(host="127.0.0.1", port=0, draft=f"127.0.0.1:{self.services[0].port}",
                                    target=f"127.0.0.1:{self.services[1].port}", **coordinator)

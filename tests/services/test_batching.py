@@ -48,7 +48,7 @@ def stack(pair):
                 start_service(loop, "target", target, max_batch=SESSIONS, max_sessions=10)]
     passes = []
     for service in services:  # record how many sessions each pass held
-        scheduler = service.host.scheduler
+        scheduler = service.host.worker.scheduler
         scheduler.on_pass = lambda stats, role=service.host.config.role: passes.append((role, stats.sequences))
     engine = SyncEngine(loop, lambda: Coordinator(CoordinatorConfig(
         draft=f"127.0.0.1:{services[0].port}", target=f"127.0.0.1:{services[1].port}", max_streams=SESSIONS * 2)))

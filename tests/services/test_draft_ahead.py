@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.core.interfaces import SamplingParams
-from specdec.draft_service.servicer import add_to_server
+from specdec.draft_service.servicer import DRAFT
 from specdec.models.local import (
     DraftRule,
     branch_steps,
@@ -265,15 +265,15 @@ def loop():
 
 def settle(service):
     """Wait until the background drafting has finished."""
-    if service.host.background is not None:
-        service.host.background.result(20)
+    if service.host.worker.background is not None:
+        service.host.worker.background.result(20)
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["draft-ahead", "no-draft-ahead"])
 def test_service_answers_a_guessed_round_without_running_the_model(loop, tiny_pair, draft, ahead):
     metrics = ServiceMetrics("draft")
     config = DraftConfig(model=str(tiny_pair[1]), host="127.0.0.1", port=0, draft_ahead=ahead)
-    service, _ = loop.call(start_model_service(config, add_to_server, telemetry=ServiceTelemetry("draft", metrics)))
+    service, _ = loop.call(start_model_service(config, DRAFT, telemetry=ServiceTelemetry("draft", metrics)))
     try:
         with channel(service) as ch:
             stub = pb_grpc.DraftServiceStub(ch)

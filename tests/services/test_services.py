@@ -146,7 +146,7 @@ def test_decoding_stops_after_an_end_of_sequence_token(services, stubs, local):
     plain = [verify_drafts(target_runner, seq, 0, PROMPT, [], GREEDY).next_token]
     for _ in range(5):
         plain.append(verify_drafts(target_runner, seq, len(seq.tokens), [], [], GREEDY).next_token)
-    runner = target.host.runner
+    runner = target.host.worker.runner
     eos, runner.eos_token_ids = runner.eos_token_ids, {plain[3]}
     try:
         reply = verify(target_stub, new_session(), 0, PROMPT, [], decode=5)
@@ -243,7 +243,7 @@ def test_health_serving_and_reflection_lists_services(services):
 
 
 def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, monkeypatch):
-    from specdec.draft_service.servicer import add_to_server
+    from specdec.draft_service.servicer import DRAFT
     from specdec.serving.config import DraftConfig
     from specdec.serving.model_host import ModelHost, start_model_service
 
@@ -258,7 +258,7 @@ def test_health_not_serving_until_loaded_and_while_draining(loop, tiny_pair, mon
 
     monkeypatch.setattr(ModelHost, "load", slow_load)
     config = DraftConfig(model=str(tiny_pair[1]), host="127.0.0.1", port=0)
-    service, loading = loop.call(start_model_service(config, add_to_server, wait_loaded=False))
+    service, loading = loop.call(start_model_service(config, DRAFT, wait_loaded=False))
     with channel(service) as ch:
         health = health_pb2_grpc.HealthStub(ch)
 
@@ -325,7 +325,7 @@ class _slow_model:
     """Make every forward pass of ``host``'s model take ``delay`` seconds more."""
 
     def __init__(self, host, delay: float):
-        runner = host.runner
+        runner = host.worker.runner
         self.runner, self.real = runner, runner.run_passes
 
         def run_passes(*a, **k):
@@ -359,7 +359,7 @@ def test_tokens_stream_as_drafted_and_other_calls_keep_answering(stubs, services
 def test_unexpected_errors_are_internal_with_the_message(stubs, services):
     _, target_stub = stubs
     _, target = services
-    runner = target.host.runner
+    runner = target.host.worker.runner
     real = runner.run_passes
 
     def broken(*a, **k):
