@@ -1,4 +1,13 @@
-"""Per-client limits on the coordinator: concurrent streams and request rate.
+"""What the coordinator admits: its streams in all, and each client's.
+
+A coordinator serves at most ``--max-streams`` Generate streams at once, and
+at most ``--max-stream-memory`` MiB of them (:class:`StreamLimits`): each
+stream is charged what it holds -- its request, decoded, and a few kB of turn
+state -- so a flood of large requests is refused before it fills the process,
+however few streams it is. Beyond either bound a Generate is refused with
+RESOURCE_EXHAUSTED and a retry hint (another coordinator may have room).
+
+Per-client limits: concurrent streams and request rate.
 
 A client is its authenticated name (``--auth-tokens``) or, without
 authentication, its peer address. Over ``--client-max-streams`` streams at
@@ -19,6 +28,49 @@ from collections.abc import Callable
 from specdec.serving import errors
 
 MAX_TRACKED_CLIENTS = 10_000  # least recently seen forgotten beyond (their buckets refill anyway)
+# What a stream holds besides its request: the turn's state, its round machine,
+# the session record and the stream's grpc buffers (scripts/many_streams.py
+# measures the coordinator's memory per stream).
+STREAM_BASE_BYTES = 64 << 10
+# A request is held as received and as decoded (text, ids, stop strings).
+REQUEST_COPIES = 2
+
+
+class StreamLimits:
+    """The coordinator's streams in all: at most ``max_streams`` at once, and at
+    most ``max_bytes`` charged to them (0: no memory bound). On the event loop
+    only: no lock."""
+
+    def __init__(self, max_streams: int, max_bytes: int = 0):
+        self.max_streams, self.max_bytes = max_streams, max_bytes
+        self.streams = 0
+        self.bytes = 0
+
+    def admit(self, request_bytes: int) -> Callable[[], None]:
+        """Charge one stream holding a request of ``request_bytes``;
+        ResourceExhausted, with when to retry, beyond a bound. Returns the
+        stream's release (call it once or more: it counts once)."""
+        cost = STREAM_BASE_BYTES + REQUEST_COPIES * request_bytes
+        if self.streams >= self.max_streams:
+            raise errors.ResourceExhausted(
+                f"the coordinator is serving {self.streams} streams, its limit (--max-streams "
+                f"{self.max_streams}): retry in a moment, or on another coordinator", retry_after_s=1.0)
+        if self.max_bytes and self.bytes + cost > self.max_bytes:
+            raise errors.ResourceExhausted(
+                f"the coordinator's streams hold {self.bytes >> 20} MiB and this request needs "
+                f"{-(-cost >> 20)} MiB more, past its limit (--max-stream-memory {self.max_bytes >> 20} MiB): "
+                "retry in a moment, or on another coordinator", retry_after_s=1.0)
+        self.streams += 1
+        self.bytes += cost
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.streams -= 1
+                self.bytes -= cost
+
+        return release
 
 
 @dataclasses.dataclass

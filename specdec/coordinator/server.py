@@ -80,7 +80,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     """Load the tokenizer, listen, report SERVING, and check the model pair (a
     pair that is not up yet is checked again at the first request). ``telemetry``
     adds tracing/metrics interceptors and the ``/metrics`` endpoint."""
-    from specdec.coordinator.admission import ClientLimits
+    from specdec.coordinator.admission import ClientLimits, StreamLimits
     from specdec.coordinator.engine import Coordinator
     from specdec.coordinator.service import CoordinatorServicer
     from specdec.coordinator.tokenizer_source import TokenizerSource
@@ -104,7 +104,8 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
                         metrics=telemetry.metrics if telemetry else None, tokens=tokens,
                         reflection=config.reflection, tls=config.server_tls, peers=config.peer_identities)
     limits = ClientLimits(config.client_max_streams, config.client_rate, config.client_burst)
-    servicer = CoordinatorServicer(engine, max_streams=config.max_streams, limits=limits)
+    streams = StreamLimits(config.max_streams, config.max_stream_memory_mb << 20)
+    servicer = CoordinatorServicer(engine, streams=streams, limits=limits)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     try:
         port = await bind_or_close(server, config, telemetry)

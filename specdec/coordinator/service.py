@@ -6,10 +6,9 @@ other streams and health checks. A client that goes away cancels its call, and
 the cancellation lands in the turn's awaited call; the turn then ends the
 session in both services before the call is done.
 
-Admission: at most ``--max-streams`` streams at once on this coordinator,
-beyond which a Generate is refused with RESOURCE_EXHAUSTED and a retry hint
-(another coordinator may have room), and per-client limits
-(:mod:`specdec.coordinator.admission`).
+Admission (:mod:`specdec.coordinator.admission`): this coordinator's streams
+are bounded in number and in memory, and each client's in number and rate;
+beyond, a Generate is refused with RESOURCE_EXHAUSTED and a retry hint.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import asyncio
 import contextvars
 import logging
 
-from specdec.coordinator.admission import ClientLimits
+from specdec.coordinator.admission import ClientLimits, StreamLimits
 from specdec.coordinator.engine import Coordinator
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
@@ -30,13 +29,12 @@ log = logging.getLogger("specdec.coordinator")
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, engine: Coordinator, max_streams: int | None = None, limits: ClientLimits | None = None):
+    def __init__(self, engine: Coordinator, streams: StreamLimits | None = None, limits: ClientLimits | None = None):
         self.engine = engine
-        self.max_streams = max_streams  # beyond: RESOURCE_EXHAUSTED
+        self.admission = streams or StreamLimits(max_streams=1 << 30)  # in all
         self.limits = limits or ClientLimits()  # per client
         self.end_streams_at: float | None = None  # loop time: set by :meth:`shutting_down`
         self.drain_grace_s = 0.0
-        self.streams = 0  # Generate calls in progress (on the event loop: no lock)
         self.turns: set[asyncio.Task] = set()  # Generate handlers in progress, for the drain
         self.closing: set[asyncio.Task] = set()  # turns ending (their sessions freed in the services)
 
@@ -50,27 +48,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Generate(self, request, context):
         job = conv.job_from_proto(request)
-        if self.max_streams is not None and self.streams >= self.max_streams:
-            raise errors.ResourceExhausted(
-                f"the coordinator is serving {self.streams} streams, its limit (--max-streams "
-                f"{self.max_streams}): retry in a moment, or on another coordinator", retry_after_s=1.0)
-        release = self.limits.admit(auth.current_client() or _peer_host(context.peer())) if self.limits.active \
-            else (lambda: None)
-        self.streams += 1
-        counted = True
+        stream = self.admission.admit(request.ByteSize())
+        try:
+            client = self.limits.admit(auth.current_client() or _peer_host(context.peer())) if self.limits.active \
+                else (lambda: None)
+        except BaseException:
+            stream()
+            raise
         task = asyncio.current_task()
         self.turns.add(task)
         try:
             async for reply in self._generate(job):
                 if reply.HasField("stats"):  # the turn is complete: its client may send the next at once
-                    self.streams, counted = self.streams - 1, False
-                    release()
+                    stream()
+                    client()
                 yield reply
         finally:
             self.turns.discard(task)
-            release()
-            if counted:
-                self.streams -= 1
+            stream()
+            client()
 
     async def _generate(self, job):
         loop = asyncio.get_running_loop()

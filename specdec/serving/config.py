@@ -259,6 +259,10 @@ class CoordinatorConfig(BaseServiceConfig):
     max_streams: int = Field(4096, gt=0, description="Generate streams this coordinator serves at once (each "
                              "holds no thread: a few kB and its session's history); more are refused with "
                              "RESOURCE_EXHAUSTED and a retry-after hint", json_schema_extra={"metavar": "N"})
+    max_stream_memory_mb: int = Field(
+        2048, ge=0, description="memory this coordinator's streams may hold, in MiB: each is charged twice its "
+        "request's size and 64 kB; a request past it is refused RESOURCE_EXHAUSTED with a retry-after hint; "
+        "0: no bound", json_schema_extra={"flag": "--max-stream-memory", "metavar": "MIB"})
     redis: str = Field(
         "", description="keep the session directory in Redis (redis://HOST:PORT/DB, rediss:// for TLS, "
         "unix://PATH), shared by every coordinator given the same URL; empty: in this process's memory",
