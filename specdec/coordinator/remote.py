@@ -34,8 +34,7 @@ import grpc
 
 from specdec.coordinator.pinning import Pinned
 from specdec.coordinator.pools import Replica
-from specdec.core.interfaces import Drafted, DraftToken, PassLoad, Propose, SessionLost, Verdict, Verify
-from specdec.proto import specdec_pb2 as pb
+from specdec.core.interfaces import Drafted, Propose, SessionLost, Verdict, Verify
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert as conv
 from specdec.serving import errors
@@ -131,7 +130,7 @@ class ServiceClient:
             try:
                 with self.calls.call("GetModelInfo") as call:
                     return conv.model_facts_from_proto(await self.stub.GetModelInfo(
-                        pb.ModelInfoRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
+                        conv.model_info_request(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
                         metadata=call.metadata))
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 > deadline:
@@ -148,9 +147,9 @@ class ServiceClient:
         try:
             with self.calls.call("EndSession") as call:
                 reply = await self.stub.EndSession(
-                    pb.EndSessionRequest(session_id=session_id),
+                    conv.end_session_request(session_id),
                     timeout=min(1.0, self.info_timeout_s) if hung else self.info_timeout_s, metadata=call.metadata)
-                return reply.existed
+                return conv.ended_from_proto(reply)
         except grpc.RpcError as e:
             log.warning("EndSession(%s) on %s service %s failed: %s", shown(session_id), self.role, self.address,
                         _details(e))
@@ -309,14 +308,12 @@ class RemoteProposer:
             try:
                 with client.calls.call("ProposeAll") as rpc:
                     started = time.perf_counter()  # after the span's setup: that is the coordinator's time
-                    reply = await client.stub.ProposeAll(request, timeout=client.call_timeout_s,
-                                                         metadata=rpc.metadata)
+                    raw = await client.stub.ProposeAll(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
                     waited = time.perf_counter() - started
-                    rpc.record(self._account(reply, call, waited, request.ByteSize()))
-                # q stays the received message: the coordinator only forwards it.
-                drafts = [DraftToken(d.token, d.q if d.HasField("q") else None) for d in reply.drafts]
+                    reply = conv.draft_reply_from_proto(raw)
+                    rpc.record(self._account(reply, call, waited, conv.wire_bytes(request)))
                 # When the first draft existed, as seen here: the drafting after it took what it took there.
-                return Drafted(drafts, max(0.0, waited - (reply.last_draft_s - reply.first_draft_s)))
+                return Drafted(reply.drafts, max(0.0, waited - reply.drafting_s))
             except grpc.RpcError as e:
                 if await self._gave_up(e, client):
                     return Drafted([])
@@ -349,7 +346,7 @@ class RemoteProposer:
                     "" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else "; the next moves to another draft")
         return True
 
-    def _account(self, reply: pb.Proposal, call: Propose, waited_s: float, sent: int) -> RpcRecord:
+    def _account(self, reply: conv.DraftReply, call: Propose, waited_s: float, sent: int) -> RpcRecord:
         s = self.stats
         # The first forward runs the history the draft lacks; then one token per draft.
         if not s.calls or call.position == 0:
@@ -357,7 +354,7 @@ class RemoteProposer:
         s.prepared_rounds += reply.prepared
         if self.session.metrics is not None and call.gamma:
             self.session.metrics.draft_rounds.labels("yes" if reply.prepared else "no").inc()
-        s.calls.append(RpcRecord.of_call("draft", waited_s, reply.timing, sent, reply.ByteSize()))
+        s.calls.append(RpcRecord.of_call("draft", waited_s, reply.timing, sent, reply.wire_bytes))
         return s.calls[-1]
 
 
@@ -383,10 +380,11 @@ class RemoteVerifier:
             try:
                 with client.calls.call("Verify") as rpc:
                     started = time.perf_counter()
-                    response = await client.stub.Verify(request, timeout=client.call_timeout_s,
-                                                        metadata=rpc.metadata)
-                    record = RpcRecord.of_call("target", time.perf_counter() - started, response.timing,
-                                               request.ByteSize(), response.ByteSize())
+                    raw = await client.stub.Verify(request, timeout=client.call_timeout_s, metadata=rpc.metadata)
+                    waited = time.perf_counter() - started
+                    reply = conv.verify_reply_from_proto(raw)
+                    record = RpcRecord.of_call("target", waited, reply.timing, conv.wire_bytes(request),
+                                               reply.wire_bytes)
                     rpc.record(record)
                 break
             except grpc.RpcError as e:
@@ -399,12 +397,9 @@ class RemoteVerifier:
                     raise SessionLost("target", "evicted") from None
         s = self.stats
         if not s.calls or call.position == 0:  # history the target lacked: all it ran but the drafts and decoding
-            s.prefill_tokens += max(0, response.timing.computed_tokens - len(call.drafts)
-                                    - len(response.decoded_tokens))
+            s.prefill_tokens += max(0, reply.timing.computed_tokens - len(call.drafts) - len(reply.verdict.decoded))
         s.calls.append(record)
-        t = response.timing
-        passes = PassLoad(t.batch_sequences, t.batch_tokens, t.pass_s) if t.batch_sequences else None
-        return dataclasses.replace(conv.verdict_from_proto(response), passes=passes)
+        return reply.verdict
 
     async def _moved_after(self, e: grpc.RpcError, client: ServiceClient) -> None:
         """A failed replica (or one at its KV budget) hands the turn to another

@@ -16,7 +16,7 @@ import tempfile
 
 import grpc
 
-from specdec.proto import specdec_pb2 as pb
+from specdec.serving import convert as conv
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -66,9 +66,10 @@ class TokenizerSource:
 
         files: dict[str, bytearray] = {}
         try:
-            async for chunk in target.stub.GetTokenizer(pb.TokenizerRequest(), timeout=target.info_timeout_s):
-                if chunk.file in TOKENIZER_FILES:  # a known file name, never a path
-                    files.setdefault(chunk.file, bytearray()).extend(chunk.data)
+            async for chunk in target.stub.GetTokenizer(conv.tokenizer_request(), timeout=target.info_timeout_s):
+                name, data = conv.tokenizer_file_from_proto(chunk)
+                if name in TOKENIZER_FILES:  # a known file name, never a path
+                    files.setdefault(name, bytearray()).extend(data)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
                 log.warning("the target at %s serves no tokenizer (%s): only prompt_ids requests work, deltas carry "

@@ -11,6 +11,10 @@ here once:
   the lossless acceptance test relies on (right length, finite, non-negative, ids
   inside the vocabulary and unique).
 * ``DraftToken``, ``Verdict`` (``VerifyResponse``) and ``ServerTiming``.
+* The coordinator's side of a call: requests built here, replies decoded here
+  (:class:`DraftReply`, :class:`VerifyReply`, :class:`CallTiming`). A draft's
+  q stays as it came (:class:`WireDist`): the coordinator forwards it to the
+  target without decoding or encoding it again.
 * A Generate: its request (``GenerateJob``) and its events (``Delta``,
   ``GenerationStats``), between the client and the coordinator.
 
@@ -35,7 +39,7 @@ from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats, ModelFacts
-from specdec.serving.timing import ServerTiming
+from specdec.serving.timing import CallTiming, ServerTiming
 
 if TYPE_CHECKING:
     import torch
@@ -79,15 +83,22 @@ def _probs_bytes(t: torch.Tensor) -> bytes:
     return arr.astype(_F32_LE, copy=False).tobytes()
 
 
-def dist_to_proto(q: Distribution) -> pb.Distribution:
+@dataclasses.dataclass(frozen=True)
+class WireDist:
+    """A q as the draft sent it, opaque outside this module: the coordinator
+    hands it on to the target's Verify as it is (the target validates it)."""
+
+    _msg: pb.Distribution = dataclasses.field(repr=False)
+
+
+def dist_to_proto(q: Distribution | WireDist) -> pb.Distribution:
     """A dense [V] tensor or a SparseDist -> Distribution. Tensors on a device are
     copied to the host here; copy them first to time that copy separately. A
-    Distribution message (the coordinator forwarding what the draft sent) passes
-    through untouched: the target validates it."""
+    WireDist passes through untouched."""
     from specdec.core.sampling import SparseDist
 
-    if isinstance(q, pb.Distribution):
-        return q
+    if isinstance(q, WireDist):
+        return q._msg
     if isinstance(q, SparseDist):
         return pb.Distribution(ids=q.ids.detach().cpu().tolist(), probs=_probs_bytes(q.probs))
     if q.dim() != 1:
@@ -186,17 +197,72 @@ def verdict_to_proto(v: Verdict, timing: ServerTiming | None = None) -> pb.Verif
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
-    return Verdict(accepted=msg.accepted, next_token=msg.next_token, decoded=tuple(msg.decoded_tokens))
+    """With the forward passes it ran in, when the target reported them."""
+    return verify_reply_from_proto(msg).verdict
 
 
 def timing_to_proto(t: ServerTiming) -> pb.ServerTiming:
-    return pb.ServerTiming(queue_s=t.queue_s, compute_s=t.compute_s, copy_s=t.copy_s,
-                           computed_tokens=t.computed_tokens, batch_sequences=t.per_pass(t.pass_sequences),
-                           batch_tokens=t.per_pass(t.pass_tokens), pass_s=t.per_pass(t.pass_seconds))
+    return pb.ServerTiming(**dataclasses.asdict(t.reported()))
 
 
-def timing_from_proto(msg: pb.ServerTiming) -> ServerTiming:
-    return ServerTiming(msg.queue_s, msg.compute_s, msg.copy_s, msg.computed_tokens)
+def timing_from_proto(msg: pb.ServerTiming) -> CallTiming:
+    return CallTiming(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(CallTiming)})
+
+
+# ------------------------------------------------------------------ replies (coordinator side)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftReply:
+    """A draft's ProposeAll reply. Each q is a WireDist, for the target's Verify."""
+
+    drafts: list[DraftToken]
+    timing: CallTiming
+    first_draft_s: float  # from the call's arrival at the draft to its first draft
+    last_draft_s: float  # ... and to its last
+    prepared: bool  # every draft was made ahead, before the call came
+    wire_bytes: int  # the reply's size on the wire
+
+    @property
+    def drafting_s(self) -> float:
+        """The draft's time from its first draft to its last."""
+        return self.last_draft_s - self.first_draft_s
+
+
+def draft_reply_from_proto(msg: pb.Proposal) -> DraftReply:
+    drafts = [DraftToken(d.token, WireDist(d.q) if d.HasField("q") else None) for d in msg.drafts]
+    return DraftReply(drafts, timing_from_proto(msg.timing), msg.first_draft_s, msg.last_draft_s, msg.prepared,
+                      msg.ByteSize())
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReply:
+    """A target's Verify reply."""
+
+    verdict: Verdict
+    timing: CallTiming
+    wire_bytes: int  # the reply's size on the wire
+
+
+def verify_reply_from_proto(msg: pb.VerifyResponse) -> VerifyReply:
+    timing = timing_from_proto(msg.timing)
+    verdict = Verdict(msg.accepted, msg.next_token, timing.pass_load(), tuple(msg.decoded_tokens))
+    return VerifyReply(verdict, timing, msg.ByteSize())
+
+
+def wire_bytes(request: pb.ProposeRequest | pb.VerifyRequest) -> int:
+    """A request's size on the wire (one this module built)."""
+    return request.ByteSize()
+
+
+def tokenizer_file_from_proto(chunk: pb.TokenizerChunk) -> tuple[str, bytes]:
+    """A GetTokenizer chunk: (file name, the next piece of that file)."""
+    return chunk.file, chunk.data
+
+
+def ended_from_proto(msg: pb.EndSessionResponse) -> bool:
+    """Whether the service held the session EndSession freed."""
+    return msg.existed
 
 
 # ------------------------------------------------------------------ model facts (coordinator side)
@@ -210,6 +276,18 @@ def model_facts_from_proto(msg: pb.ModelInfo) -> ModelFacts:
 
 
 # ------------------------------------------------------------------ requests (coordinator side)
+
+
+def model_info_request() -> pb.ModelInfoRequest:
+    return pb.ModelInfoRequest()
+
+
+def tokenizer_request() -> pb.TokenizerRequest:
+    return pb.TokenizerRequest()
+
+
+def end_session_request(session_id: str) -> pb.EndSessionRequest:
+    return pb.EndSessionRequest(session_id=session_id)
 
 
 def propose_request(
@@ -238,7 +316,8 @@ def verify_request(
     params: SamplingParams,
     decode: int = 0,
 ) -> pb.VerifyRequest:
-    """Under greedy decoding no q is sent (the target does not need it)."""
+    """Under greedy decoding no q is sent (the target does not need it). Each
+    draft's q: a WireDist (forwarded as the draft sent it) or a distribution."""
     msg = pb.VerifyRequest(
         session_id=session_id, round_id=round_id, position=position, new_tokens=list(new_tokens),
         draft_tokens=[d.token for d in drafts], sampling=sampling_to_proto(params), decode_tokens=decode,

@@ -41,7 +41,8 @@ class RpcRecord:
 
     @classmethod
     def of_call(cls, side: str, observed_s: float, timing, bytes_out: int, bytes_in: int) -> RpcRecord:
-        """From a reply's ServerTiming (``specdec.v1.ServerTiming``)."""
+        """With the service's account of the call, decoded from the reply
+        (a :class:`specdec.serving.timing.CallTiming`)."""
         return cls(side, observed_s, timing.queue_s, timing.compute_s, timing.copy_s, timing.computed_tokens,
                    bytes_out, bytes_in)
 

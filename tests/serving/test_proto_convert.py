@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from specdec.core.interfaces import DraftToken, SamplingParams, Verdict
+from specdec.core.interfaces import DraftToken, PassLoad, SamplingParams, Verdict
 from specdec.core.sampling import SparseDist
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving import convert as pc
 from specdec.serving.errors import InvalidRequest
-from specdec.serving.timing import ServerTiming
+from specdec.serving.timing import CallTiming, ServerTiming
 
 
 def test_sampling_round_trip_and_defaults():
@@ -78,7 +80,7 @@ def test_draft_tokens_verdicts_timings():
     msg = pc.draft_token_to_proto(d, timing)
     back = pc.draft_token_from_proto(msg, 10)
     assert back.token == 5 and torch.equal(back.q, d.q)
-    assert pc.timing_from_proto(msg.timing) == timing
+    assert pc.timing_from_proto(msg.timing) == timing.reported()
     assert pc.draft_token_from_proto(pc.draft_token_to_proto(DraftToken(3, None))).q is None
     reply = pc.verdict_to_proto(Verdict(2, 9), timing)
     assert pc.verdict_from_proto(reply) == Verdict(2, 9)
@@ -90,6 +92,56 @@ def test_draft_tokens_verdicts_timings():
     req = pc.verify_request("s", 1, 4, [1], [d], SamplingParams(1.0, seed=1))
     assert list(req.draft_tokens) == [5] and len(req.draft_q) == 1
     assert len(pc.verify_request("s", 1, 4, [1], [d], SamplingParams()).draft_q) == 0  # greedy: no q
+
+
+def test_timing_round_trip_keeps_every_field():
+    sent = ServerTiming(0.1, 0.2, 0.01, 7, passes=2, pass_sequences=6, pass_tokens=20, pass_seconds=0.05)
+    back = pc.timing_from_proto(pb.ServerTiming.FromString(pc.timing_to_proto(sent).SerializeToString()))
+    assert back == sent.reported() == CallTiming(0.1, 0.2, 0.01, 7, 3.0, 10.0, 0.025)
+    assert {f.name for f in pb.ServerTiming.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(CallTiming)}
+    assert back.pass_load() == PassLoad(3.0, 10.0, 0.025)
+    assert CallTiming(compute_s=0.1).pass_load() is None  # a service that does not batch reports no pass
+
+
+def _off_the_wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def test_a_draft_reply_decodes_at_the_boundary_and_its_q_is_forwarded_as_sent():
+    dense = pc.dist_to_proto(torch.softmax(torch.randn(50), -1))
+    sparse = pc.dist_to_proto(SparseDist(ids=torch.tensor([7, 3]), probs=torch.tensor([0.75, 0.25])))
+    timing = ServerTiming(0.001, 0.02, 0.003, 9, passes=1, pass_sequences=2, pass_tokens=5, pass_seconds=0.01)
+    sent = pb.Proposal(drafts=[pb.DraftToken(token=4, q=dense), pb.DraftToken(token=7, q=sparse)],
+                       timing=pc.timing_to_proto(timing), first_draft_s=0.01, last_draft_s=0.03, prepared=True)
+    wire = _off_the_wire(sent)
+    reply = pc.draft_reply_from_proto(wire)
+    assert [d.token for d in reply.drafts] == [4, 7]
+    assert all(isinstance(d.q, pc.WireDist) for d in reply.drafts)
+    assert reply.timing == timing.reported() and reply.prepared and reply.wire_bytes == wire.ByteSize()
+    assert (reply.first_draft_s, reply.last_draft_s) == (0.01, 0.03) and reply.drafting_s == pytest.approx(0.02)
+    request = pc.verify_request("s", 1, 4, [1], reply.drafts, SamplingParams(1.0, seed=1))
+    assert list(request.draft_tokens) == [4, 7] and list(request.draft_q) == [dense, sparse]
+    assert len(pc.verify_request("s", 1, 4, [1], reply.drafts, SamplingParams()).draft_q) == 0  # greedy: no q
+    greedy = pc.draft_reply_from_proto(_off_the_wire(pb.Proposal(drafts=[pb.DraftToken(token=4)])))
+    assert greedy.drafts == [DraftToken(4, None)] and not greedy.prepared and greedy.timing == CallTiming()
+
+
+def test_a_verify_reply_decodes_at_the_boundary():
+    timing = ServerTiming(0.002, 0.03, 0.001, 6, passes=2, pass_sequences=8, pass_tokens=24, pass_seconds=0.04)
+    wire = _off_the_wire(pc.verdict_to_proto(Verdict(2, 9, decoded=(5, 6)), timing))
+    reply = pc.verify_reply_from_proto(wire)
+    assert reply.verdict == Verdict(2, 9, PassLoad(4.0, 12.0, 0.02), (5, 6)) == pc.verdict_from_proto(wire)
+    assert reply.timing == timing.reported() and reply.wire_bytes == wire.ByteSize()
+    assert pc.verify_reply_from_proto(pb.VerifyResponse(accepted=1)).verdict.passes is None  # not reported
+
+
+def test_small_replies_and_requests_of_the_coordinator():
+    assert pc.ended_from_proto(pb.EndSessionResponse(existed=True))
+    assert pc.end_session_request("s").session_id == "s"
+    assert pc.tokenizer_file_from_proto(pb.TokenizerChunk(file="tokenizer.json", data=b"{}")) == ("tokenizer.json",
+                                                                                                  b"{}")
+    request = pc.propose_request("s", 1, 0, [1, 2], 4, SamplingParams())
+    assert pc.wire_bytes(request) == len(request.SerializeToString())
 
 
 def test_model_facts_come_out_of_model_info_as_plain_values():

@@ -86,6 +86,14 @@ def test_network_time_is_what_the_client_waited_beyond_the_server(observed, serv
     assert rec.network_s == pytest.approx(network)
 
 
+def test_a_record_of_a_call_takes_the_decoded_timing():
+    from specdec.serving.timing import CallTiming
+
+    rec = RpcRecord.of_call("draft", 0.02, CallTiming(0.001, 0.012, 0.002, 5, 2.0, 8.0, 0.01), 40, 400)
+    assert rec == RpcRecord("draft", 0.02, 0.001, 0.012, 0.002, 5, 40, 400)
+    assert rec.network_s == pytest.approx(0.005)
+
+
 def test_below_an_unsampled_span_no_span_is_made_and_the_decision_travels(provider):
     """At a production sampling ratio most requests are not sampled: their calls
     make no span, and the services learn from the W3C context that the trace
