@@ -18,6 +18,7 @@ the rejection-sampling proof needs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -34,39 +35,103 @@ _F32_TINY = torch.finfo(torch.float32).tiny
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits ``[..., V]`` -> probabilities ``[..., V]`` (float32) after temperature,
-    top-k and top-p. Rows are processed independently. Not for greedy decoding."""
-    x = logits.float()
-    # Subtracting the max first keeps a tiny temperature from overflowing to inf
-    # (softmax is unchanged by the shift). A temperature below float32's smallest
-    # normal number would round to 0 and make 0/0: it is as greedy as that number.
-    temperature = max(params.temperature, _F32_TINY)
+    """Logits ``[..., V]`` -> probabilities ``[..., V]`` (float32): every row
+    processed with ``params`` by :func:`process_logits_rows`. Not for greedy decoding."""
+    rows = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    return process_logits_rows(rows, [params] * rows.shape[0]).reshape(logits.shape)
+
+
+def process_logits_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Logits -> probabilities for a batch of rows, each with its own sampling
+    parameters, in one step: the positions of many requests that one forward
+    pass scored.
+
+    Terms, for row i (N rows, V ids):
+
+    * temperature t_i: the logits are divided by it (after subtracting the
+      row's max, which softmax ignores); t < 1 sharpens, t > 1 flattens.
+    * top-k k_i: only logits at least the row's k_i-th largest stay; the rest
+      become -inf (probability 0). 0 or >= V: no cut.
+    * top-p p_i: after the softmax, only the nucleus stays, renormalised (see
+      :func:`_top_p_filter`). 1.0: no cut, the row is left exactly as the
+      softmax made it.
+
+    Each row comes out bit for bit as it would alone: every step is element-wise
+    or reads its own row only, and none of them changes its arithmetic with the
+    number of rows (see :func:`_top_p_filter` for the one sum).
+
+    Args:
+        logits: ``[N, V]``, any float dtype.
+        params: N sampling parameters, ``params[i]`` for row i; none greedy.
+    Returns:
+        probs: ``[N, V]`` float32, each row summing to 1.
+    """
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} sampling parameters")
+    x = logits.float()  # [N, V]
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf.
+    # A temperature below float32's smallest normal number would round to 0 and
+    # make 0/0: it is as greedy as that number.
+    temperature = _column([max(p.temperature, _F32_TINY) for p in params], x, torch.float32)  # [N, 1]
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature
+    x = _top_k_mask(x, [p.top_k for p in params])
+    probs = torch.softmax(x, dim=-1)  # [N, V]
+    return _top_p_rows(probs, [p.top_p for p in params])
+
+
+def _column(values: list, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as an ``[N, 1]`` column on ``like``'s device."""
+    return torch.tensor(values, dtype=dtype, device=like.device)[:, None]
+
+
+def _top_k_mask(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """``x`` [N, V] with -inf below each row's ``top_k[i]``-th largest value
+    (rows whose k is 0 or >= V untouched). One torch.topk for the largest k
+    asked: its i-th value is the same float whatever k it was asked for."""
     vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        probs = _top_p_filter(probs, params.top_p)
-    return probs
+    cut = [0 < k < vocab for k in top_k]
+    if not any(cut):
+        return x
+    k = [k if c else 1 for k, c in zip(top_k, cut, strict=True)]
+    largest = torch.topk(x, max(k), dim=-1).values  # [N, max k], descending
+    kth = largest.gather(-1, _column(k, x, torch.int64) - 1)  # [N, 1]: row i's k_i-th largest
+    # An uncut row's threshold is -inf: no value is below it.
+    kth = torch.where(_column(cut, x, torch.bool), kth, float("-inf"))
+    return x.masked_fill(x < kth, float("-inf"))
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the nucleus, renormalised: the most likely tokens, taken in order of
-    probability until their mass reaches ``top_p``. The most likely token is
-    always kept.
+def _top_p_rows(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The nucleus of the rows of ``probs`` [N, V] that ask for one
+    (``top_p[i]`` < 1); the other rows as they are."""
+    asked = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not asked:
+        return probs
+    if len(asked) == len(top_p):
+        return _top_p_filter(probs, _column(top_p, probs, torch.float32))
+    rows = torch.tensor(asked, device=probs.device)
+    nucleus = _top_p_filter(probs[rows], _column([top_p[i] for i in asked], probs, torch.float32))
+    return probs.index_put((rows,), nucleus)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the nucleus of each row of ``probs`` [N, V], renormalised: the most
+    likely tokens, taken in order of probability until their mass reaches the
+    row's ``top_p`` [N, 1]. The most likely token is always kept.
 
     The nucleus is cut at a probability: every token at least as likely as the
     last one taken is kept, so tokens of equal probability are kept or dropped
-    together and the result never depends on how a sort orders ties."""
-    desc = _sorted_descending(probs)
-    before = torch.cumsum(desc, dim=-1) - desc  # the mass of the tokens ranked above each
+    together and the result never depends on how a sort orders ties. Those
+    tokens lead the sorted row, so the kept mass is read off the cumulative
+    sum: a row-by-row scan, where sum() would split one long row across
+    threads and round differently than for the same row among others."""
+    desc = _sorted_descending(probs)  # [N, V]
+    mass = torch.cumsum(desc, dim=-1)  # [N, V]: mass[j] = desc[0] + ... + desc[j]
+    before = mass - desc  # the mass of the tokens ranked above each
     # >= 1 (before[0] is 0) unless top_p underflows float32 to 0: keep the top token then too.
-    taken = (before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
-    threshold = desc.gather(-1, taken - 1)
-    kept = torch.where(probs >= threshold, probs, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    taken = (before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [N, 1]
+    threshold = desc.gather(-1, taken - 1)  # [N, 1]: the least likely token taken
+    kept = (desc >= threshold).sum(dim=-1, keepdim=True)  # [N, 1]: taken, and its ties after it
+    return torch.where(probs >= threshold, probs, 0.0) / mass.gather(-1, kept - 1)
 
 
 def _sorted_descending(probs: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 target services and the in-process decoder alike.
 
 Each piece of work is written once, as *steps*: a generator that yields a
-:class:`~specdec.models.runner.Pass` when it needs logits (and is sent them back),
+:class:`~specdec.models.runner.Pass` when it needs logits (and is sent them back,
+or their probabilities: the pass says how they are sampled),
 yields a :class:`DraftToken` whenever it has drafted one, and returns its result.
 Who runs the passes is not its business: :func:`run_alone` runs each as its own
 forward pass (the in-process decoder); the services' scheduler runs the passes of
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 
 from specdec.core.interfaces import DraftToken, Propose, SamplingParams, Verdict, Verify
-from specdec.core.sampling import STREAM_DRAFT, process_logits, sample, truncate_top_k, uniform
+from specdec.core.sampling import STREAM_DRAFT, sample, truncate_top_k, uniform
 from specdec.core.verification import dense_rows, verify_greedy, verify_stochastic
 from specdec.models.paged_kv import KVExhausted
 from specdec.models.runner import ModelRunner, Pass, Sequence
 
-# yields a Pass (sent its logits [last, V] back) or a DraftToken (sent None); returns R
+# yields a Pass (sent its reply [last, V] back: logits, or probabilities where it samples)
+# or a DraftToken (sent None); returns R
 Steps = Generator["Pass | DraftToken", "torch.Tensor | None", Any]
 
 
@@ -119,32 +121,32 @@ def draft_one(runner: ModelRunner, seq: Sequence, params: SamplingParams, rule: 
     function of (the tokens before it, params, seed, rule): the seed's uniform
     for this position. ``run``: run at least the last ``run`` tokens, cached or
     not (see :func:`draft_ahead_steps`)."""
-    logits = (yield Pass(seq, 1, run))[0]
-    if rule.vocab:
-        logits = logits[:rule.vocab]  # q over the ids the target holds too: exactly restricted
+    # Over the ids the target holds too (rule.vocab): q exactly restricted to them.
+    # Greedy: the logits; else q, processed with the other sampling rows of the pass.
+    reply = (yield Pass(seq, 1, run, params, rule.vocab))[0]
     if params.greedy:
-        token, q = int(logits.argmax()), None
+        token, q = int(reply.argmax()), None
     else:
-        q = process_logits(logits, params)
         u = uniform(params.seed, len(seq.tokens), STREAM_DRAFT)
         if rule.top_k > 0:
-            q = truncate_top_k(q, rule.top_k)
+            q = truncate_top_k(reply, rule.top_k)
             token = int(q.ids[sample(q.probs, u)])
         else:
+            q = reply.clone()  # kept with the draft: not a view holding the whole pass's rows
             token = sample(q, u)
     if isinstance(seq, DraftSequence) and seq.runner_ups is not None:
-        seq.runner_ups[len(seq.tokens)] = runner_up(logits, token)
+        seq.runner_ups[len(seq.tokens)] = runner_up(reply, token)
     seq.tokens.append(token)
     return DraftToken(token, q)
 
 
-def runner_up(logits: torch.Tensor, token: int) -> int:
-    """The likeliest token after ``token`` by the draft's logits: its best
-    guess at the target's correction where the target rejects ``token``
-    (processing keeps the order of what it does not cut)."""
-    if logits.numel() < 2:
+def runner_up(scores: torch.Tensor, token: int) -> int:
+    """The likeliest token after ``token`` by the draft's logits or its q (the
+    same order: processing keeps the order of what it does not cut): its best
+    guess at the target's correction where the target rejects ``token``."""
+    if scores.numel() < 2:
         return token  # no other: a branch for it would never match a correction
-    top = torch.topk(logits, 2).indices.tolist()
+    top = torch.topk(scores, 2).indices.tolist()
     return top[0] if top[0] != token else top[1]
 
 
@@ -306,7 +308,7 @@ def verify_steps(
     seq.tokens.extend(new_tokens)
     first = len(seq.tokens)  # where drafts[0] lands
     seq.tokens.extend(d.token for d in drafts)
-    verdict = judge(runner, (yield Pass(seq, len(drafts) + 1)), drafts, params, first)
+    verdict = judge(runner, (yield Pass(seq, len(drafts) + 1, params=params)), drafts, params, first)
     runner.rollback(seq, first + verdict.accepted)
     seq.tokens.append(verdict.next_token)
     decoded = []
@@ -320,19 +322,20 @@ def decode_one(runner: ModelRunner, seq: Sequence, params: SamplingParams) -> St
     """Plain target decoding: the token after ``seq``, appended and returned. It
     is judged as a round without drafts at this position judges its next token,
     so several decoded in one call are the tokens as many one-token rounds give."""
-    token = judge(runner, (yield Pass(seq, 1)), [], params, len(seq.tokens)).next_token
+    token = judge(runner, (yield Pass(seq, 1, params=params)), [], params, len(seq.tokens)).next_token
     seq.tokens.append(token)
     return token
 
 
-def judge(runner: ModelRunner, logits: torch.Tensor, drafts: list[DraftToken], params: SamplingParams,
+def judge(runner: ModelRunner, reply: torch.Tensor, drafts: list[DraftToken], params: SamplingParams,
           first: int) -> Verdict:
     """The verdict on ``drafts`` (landing at position ``first``) from the target's
-    logits [γ + 1, V] at their positions."""
+    reply [γ + 1, V] at their positions: its logits when greedy, else p, its
+    probabilities (processed with the other sampling rows of the pass)."""
     tokens = [d.token for d in drafts]
     if params.greedy:
-        return verify_greedy(tokens, logits)
-    p = process_logits(logits, params)
+        return verify_greedy(tokens, reply)
+    p = reply
     q = dense_rows([d.q for d in drafts], runner.vocab_size, p.device) if drafts else p[:0]  # [γ, V]
     return verify_stochastic(tokens, q, p, seed=params.seed, first_position=first)
 

@@ -12,6 +12,8 @@ import pathlib
 
 import torch
 
+from specdec.core.interfaces import SamplingParams
+from specdec.core.sampling import process_logits_rows
 from specdec.core.vocabulary import check_token_ids
 from specdec.models import lean_llama
 from specdec.models.attention import BatchRow
@@ -56,11 +58,17 @@ class Pass:
     """What one sequence asks of a forward pass: logits predicting the tokens
     after each of the last ``last`` positions of ``seq.tokens``, with at least
     the last ``run`` tokens run (recomputed if cached). :meth:`ModelRunner.run_passes`
-    sets ``ran``: how many tokens it ran."""
+    sets ``ran``: how many tokens it ran.
+
+    Its reply (:func:`replies`) covers the first ``vocab`` ids (0: all of
+    them) and, where ``params`` sample, is their probabilities rather than the
+    logits: processed with every other sampling pass of the forward in one step."""
 
     seq: Sequence
     last: int = 1
     run: int = 0
+    params: SamplingParams | None = None
+    vocab: int = 0
     ran: int = 0
 
 
@@ -207,7 +215,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_passes(self, passes: list[Pass]) -> list[torch.Tensor]:
-        """:meth:`logits` for several sequences (distinct ones), in one forward pass."""
+        """For several sequences (distinct ones), in one forward pass: each
+        pass's reply (:func:`replies`), logits as :meth:`logits` gives them or
+        probabilities."""
         rows = [self._pending(p) for p in passes]
         self.tokens_run += sum(len(ids) for ids in rows)
         if any(max(ids) >= self.vocab_size for ids in rows):  # the target's own ids a draft lacks
@@ -218,7 +228,7 @@ class ModelRunner:
         except KVExhausted:
             gc.collect()  # caches of dropped sequences in reference cycles give their blocks back
             logits = self.forward.forward_batch(batch)
-        return [out.float() for out in logits]
+        return replies(passes, [out.float() for out in logits])
 
     def pass_tokens(self, p: Pass) -> int:
         """How many tokens :meth:`run_passes` will run for ``p``."""
@@ -242,6 +252,22 @@ class ModelRunner:
 
     def check_tokens(self, tokens: list[int], what: str = "tokens") -> None:
         check_token_ids(tokens, self.vocab_size, what)
+
+
+def replies(passes: list[Pass], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What each pass is sent back, from its logits [last, V]: their first
+    ``vocab`` ids, and for a sampling pass their probabilities. The rows of
+    all sampling passes are processed together, in one batched step
+    (:func:`process_logits_rows`) per width: each row exactly as alone."""
+    out = [x[:, :p.vocab] if p.vocab else x for p, x in zip(passes, logits, strict=True)]
+    sampling = [i for i, p in enumerate(passes) if p.params is not None and not p.params.greedy]
+    for width in {out[i].shape[-1] for i in sampling}:  # one width unless drafts cut to their target's ids
+        group = [i for i in sampling if out[i].shape[-1] == width]
+        params = [passes[i].params for i in group for _ in range(passes[i].last)]  # one per row
+        probs = process_logits_rows(torch.cat([out[i] for i in group]), params)  # [rows, width]
+        for i, rows in zip(group, probs.split([passes[i].last for i in group]), strict=True):
+            out[i] = rows
+    return out
 
 
 def parse_device(device: str | torch.device) -> torch.device:

@@ -5,8 +5,10 @@ A call's work is a *steps* generator (:mod:`specdec.models.local`): it yields a
 the model. Each time around its loop it takes the work that arrived, lets it
 run up to its first pass, then runs one forward pass over the passes that are
 waiting -- those of different sessions, with different context lengths and
-numbers of new tokens (a ragged batch) -- and hands each its logits. A call
-joins at the next pass; nothing waits for a batch to fill.
+numbers of new tokens (a ragged batch) -- and hands each its logits (or, to
+work that samples, its probabilities: the sampling rows of every session in the
+pass are processed in one batched step, :func:`specdec.models.runner.replies`).
+A call joins at the next pass; nothing waits for a batch to fill.
 
 Scheduling:
 

@@ -16,7 +16,7 @@ import torch
 
 from specdec.core.interfaces import SamplingParams
 from specdec.models.decoder import SpeculativeDecoder
-from specdec.models.runner import Sequence
+from specdec.models.runner import Pass, Sequence, replies
 
 
 class FreeModel:
@@ -33,11 +33,17 @@ class FreeModel:
     def new_sequence(self) -> Sequence:
         return Sequence(tokens=[], cache=None)
 
+    def new_cache(self) -> None:
+        return None
+
     def rollback(self, seq: Sequence, position: int) -> None:
         del seq.tokens[position:]
 
     def uncache(self, seq: Sequence, keep: int) -> None:
         pass  # no cache: logits are a table lookup
+
+    def run_passes(self, passes: list[Pass]) -> list[torch.Tensor]:
+        return replies(passes, [self.logits(p.seq, p.last) for p in passes])
 
     def logits(self, seq: Sequence, last: int = 1, run: int = 0) -> torch.Tensor:
         # Row n of the table predicts the token after a prefix of length n.

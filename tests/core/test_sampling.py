@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec.core.interfaces import SamplingParams
-from specdec.core.sampling import process_logits, sample, truncate_top_k, uniform
+from specdec.core.sampling import process_logits, process_logits_rows, sample, truncate_top_k, uniform
 
 
 def test_temperature_scales_logits():
@@ -98,6 +98,38 @@ def test_rows_processed_independently():
     batch = process_logits(logits, params)
     for i in range(3):
         assert torch.allclose(batch[i], process_logits(logits[i], params))
+
+
+# (temperature, top_k, top_p) per row: cut by top-k, by top-p, by both, by neither
+# (top_k 0 or >= V, top_p 1.0), and a temperature so small it is greedy.
+MIXED = [(0.8, 0, 0.95), (1.0, 0, 1.0), (0.5, 20, 1.0), (1.3, 50, 0.9), (0.8, 0, 1.0), (0.7, 4096, 0.5),
+         (1e-40, 0, 0.9), (2.0, 1, 1.0), (1.0, 5000, 1.0), (0.9, 300, 0.999)]
+
+
+def test_rows_with_their_own_params_are_each_processed_bit_for_bit_as_alone():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(MIXED), 4096, generator=gen) * torch.linspace(0.5, 12, len(MIXED))[:, None]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in MIXED]
+    batch = process_logits_rows(logits, params)
+    for row, x, p in zip(batch, logits, params, strict=True):
+        assert torch.equal(row, process_logits(x, p))
+        if p.top_k in (0, 5000) and p.top_p == 1.0:  # nothing cut: the softmax itself, no nucleus rounding
+            assert torch.equal(row, torch.softmax((x - x.max()) / p.temperature, -1))
+
+
+def test_a_long_row_alone_is_processed_as_among_others():
+    """torch splits a lone row's sum() across threads (from 32k ids on): the
+    nucleus's renormalisation must not round differently for a row alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits = torch.randn(3, 65536, generator=torch.Generator().manual_seed(6)) * 4
+        params = SamplingParams(temperature=0.8, top_p=0.95)
+        batch = process_logits(logits, params)
+        for row, x in zip(batch, logits, strict=True):
+            assert torch.equal(row, process_logits(x, params))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from scipy import stats
 import specdec.models.local
 from specdec import SamplingParams, SpeculativeDecoder
 from specdec.core.sampling import process_logits
-from specdec.models.runner import ModelRunner, Sequence
+from specdec.models.runner import ModelRunner, Sequence, replies
 
 PROMPT = [3, 1, 4]
 # 20,000 draws per setting here and in CI; the GPU check (docs/gpu-check.md), where
@@ -51,7 +51,7 @@ class MemoRunner:
         pass  # no cache: logits come from the memo
 
     def run_passes(self, passes):
-        return [self.logits(p.seq, p.last, p.run) for p in passes]
+        return replies(passes, [self.logits(p.seq, p.last, p.run) for p in passes])
 
     def logits(self, seq, last=1, run=0):
         rows = []
