@@ -1,7 +1,9 @@
 """Many concurrent streams through one coordinator, every service at its
 default settings: none may be refused or fail, and every output must equal
 the same request served alone. Prints the coordinator's CPU per round, read
-from its own process's CPU time and its round counter.
+from its own process's CPU time and its round counter, and its memory per
+stream: the rise of its resident set while the crowd is served, over the
+streams (what --max-stream-memory charges a stream besides its request).
 
     python scripts/many_streams.py [--streams 1024] [--tokens 24] [--prompts 64] [--policy adaptive]
 
@@ -22,6 +24,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -33,6 +36,34 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc."""
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident set, from /proc."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRss:
+    """The highest resident set of ``pid`` seen while in the with-block (sampled every 20 ms)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, rss_bytes(pid), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def rounds_done(metrics_url: str) -> float:
@@ -101,8 +132,9 @@ def main() -> int:
         pid, url = stack.procs["coordinator"].pid, f"http://127.0.0.1:{metrics}/metrics"
         address = stack.address("coordinator")
         alone = asyncio.run(crowd(address, prompts, args.streams, args.tokens, args.policy))
-        cpu0, rounds0 = cpu_seconds(pid), rounds_done(url)
-        results, wall = asyncio.run(crowd(address, prompts, args.streams, args.tokens, args.policy, alone))
+        cpu0, rounds0, rss0 = cpu_seconds(pid), rounds_done(url), rss_bytes(pid)
+        with PeakRss(pid) as rss:
+            results, wall = asyncio.run(crowd(address, prompts, args.streams, args.tokens, args.policy, alone))
         cpu, rounds = cpu_seconds(pid) - cpu0, rounds_done(url) - rounds0
     finally:
         stack.stop()
@@ -115,6 +147,8 @@ def main() -> int:
         print(f"  failed: {why}")
     print(f"wall {wall:.1f} s, {generated / wall:.0f} tokens/s; coordinator CPU {cpu:.2f} s over {rounds:.0f} "
           f"rounds: {1000 * cpu / max(1.0, rounds):.3f} ms per round")
+    print(f"coordinator memory: {rss0 / 2**20:.0f} MiB before, {rss.peak / 2**20:.0f} MiB at the peak: "
+          f"{(rss.peak - rss0) / args.streams / 1024:.1f} kB per stream")
     return 0 if not failed and not differ else 1
 
 

@@ -1,5 +1,6 @@
 """Certificates for the TLS tests, made with the ``cryptography`` package: a CA,
-and certificates it signs for given names (DNS names, IPs, URIs such as SPIFFE IDs)."""
+and certificates it signs for given names (DNS names, IPs, URIs such as SPIFFE IDs,
+e-mail addresses)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ class CA:
                      .sign(self.key, hashes.SHA256()))
         self.path, _ = _write(folder, "ca", self.cert, self.key)
 
-    def issue(self, stem: str, *, dns=(), ips=(), uris=(), folder: pathlib.Path | None = None) -> tuple[str, str]:
+    def issue(self, stem: str, *, dns=(), ips=(), uris=(), emails=(),
+              folder: pathlib.Path | None = None) -> tuple[str, str]:
         """A certificate and key for these names, as (cert file, key file)."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-        names += [x509.UniformResourceIdentifier(u) for u in uris]
+        names += [x509.UniformResourceIdentifier(u) for u in uris] + [x509.RFC822Name(e) for e in emails]
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(_name(stem)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -7,6 +7,13 @@ state -- so a flood of large requests is refused before it fills the process,
 however few streams it is. Beyond either bound a Generate is refused with
 RESOURCE_EXHAUSTED and a retry hint (another coordinator may have room).
 
+A turn whose target has no KV room for it (every target replica of the pair
+answers RESOURCE_EXHAUSTED: its KV budget or its session cap) waits for room
+rather than failing at once, as a serving engine queues a request its KV cache
+cannot take yet (:class:`KVWaits`): up to ``--kv-wait`` seconds, with at most
+``--kv-wait-turns`` turns waiting at once; beyond either the client gets the
+target's RESOURCE_EXHAUSTED, with its retry hint.
+
 Per-client limits: concurrent streams and request rate.
 
 A client is its authenticated name (``--auth-tokens``) or, without
@@ -19,6 +26,7 @@ slowed down by its flood.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import threading
@@ -34,6 +42,32 @@ MAX_TRACKED_CLIENTS = 10_000  # least recently seen forgotten beyond (their buck
 STREAM_BASE_BYTES = 64 << 10
 # A request is held as received and as decoded (text, ids, stop strings).
 REQUEST_COPIES = 2
+
+
+class KVWaits:
+    """Turns waiting for a target's KV room: at most ``max_turns`` at once, each
+    for up to ``wait_s`` seconds (0: none waits). Each wait is a short sleep,
+    longer each time (20 ms doubling to 0.5 s), after which the call is sent
+    again: room comes from other turns ending, on this coordinator or another.
+    On the event loop only: no lock."""
+
+    FIRST_S, LONGEST_S = 0.02, 0.5
+
+    def __init__(self, wait_s: float, max_turns: int):
+        self.wait_s, self.max_turns = wait_s, max_turns
+        self.waiting = 0
+
+    async def wait(self, attempt: int) -> bool:
+        """Sleep before sending the call again (``attempt``: the waits before
+        this one, in this call); False, at once, when too many turns wait."""
+        if self.waiting >= self.max_turns:
+            return False
+        self.waiting += 1
+        try:
+            await asyncio.sleep(min(self.LONGEST_S, self.FIRST_S * 2 ** attempt))
+        finally:
+            self.waiting -= 1
+        return True
 
 
 class StreamLimits:

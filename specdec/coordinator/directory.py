@@ -124,6 +124,12 @@ class SessionDirectory(Protocol):
     async def get(self, session_id: str) -> SessionRecord | None:
         """The stored record (with its last turn), or None for an unknown (or closed) session."""
 
+    async def owner(self, session_id: str) -> str | None:
+        """The client a stored session belongs to ("" : none), or None for an
+        unknown session. Read before anything else of the session, its lease
+        included: a request naming another client's session is refused having
+        held up nothing."""
+
     async def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
         """Create or replace the record, its last turn included (``keep_deltas``:
         but not the turn's deltas, which are stored already, all of them)."""
@@ -168,6 +174,10 @@ class InMemoryDirectory:
     async def get(self, session_id: str) -> SessionRecord | None:
         parts = self._records.get(session_id)
         return None if parts is None else SessionRecord.from_dicts(*parts)
+
+    async def owner(self, session_id: str) -> str | None:
+        parts = self._records.get(session_id)
+        return None if parts is None else parts[0].get("owner", "")
 
     async def put(self, record: SessionRecord, lease: Lease | None = None, keep_deltas: bool = False) -> None:
         record.updated_at = time.time()

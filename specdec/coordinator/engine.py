@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from specdec.coordinator.admission import KVWaits
 from specdec.coordinator.directory import InMemoryDirectory, SessionDirectory, SessionRecord
 from specdec.coordinator.learned_gamma import LearnedGamma, regime
 from specdec.coordinator.pair import PairInfo, PairRegistry
@@ -74,6 +75,7 @@ class Coordinator:
         self.pairs = PairRegistry(config.gamma_max, self.tokenizers.directory, on_change=self.learned.forget)
         self.checks = RequestCheck(config, self.tokenizer)
         self.observer = CoordinatorObserver(metrics)
+        self.kv_waits = KVWaits(config.kv_wait_s, config.kv_wait_turns)
         self._background: set[asyncio.Task] = set()  # EndSession calls to replicas a session left
         if metrics is not None:
             metrics.watch_replicas(lambda: {role: pool.snapshot() for role, pool in self.pools.items()})
@@ -119,10 +121,8 @@ class Coordinator:
         checked = await self.pair(wait_s=REPLICA_WAIT_S)
         request = await self._validate(job, checked)
         client = auth.current_client()
-        if client and job.session_id:  # before the lease, so another's session cannot be held up by anyone
-            known = await self.directory.get(job.session_id)
-            if known is not None:
-                claim(known, client)
+        if client and job.session_id:
+            await self._check_owner(job.session_id, client)
         # A resumed turn takes over from a coordinator that may have died
         # holding the session: its lease runs out within the lease time.
         wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
@@ -183,7 +183,8 @@ class Coordinator:
                     self._moved(record, role, pinned.address, cause, False)
             pair_draft = pins["draft"].client if drafting else \
                 (await self.pools["draft"].pick(pin=False, wait_s=REPLICA_WAIT_S)).client
-            yield Services(pins.get("draft"), pins["target"], self.pairs, self.observer, self.metrics, pair_draft)
+            yield Services(pins.get("draft"), pins["target"], self.pairs, self.observer, self.metrics, pair_draft,
+                           self.kv_waits)
         finally:
             for pinned in pins.values():
                 pinned.release()
@@ -219,15 +220,29 @@ class Coordinator:
         if not session_id:
             raise errors.InvalidRequest("session_id is empty: name the session to close")
         check_name(session_id, "session_id")
+        client = auth.current_client()
+        if not await self._check_owner(session_id, client):
+            raise _unknown(session_id)
         async with self.directory.hold(session_id) as lease:  # no Generate may start on it meanwhile
             record = await self.directory.get(session_id)
-            if record is None:
-                raise errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
-            claim(record, auth.current_client())
+            if record is None:  # closed meanwhile
+                raise _unknown(session_id)
+            claim(record, client)  # again, under the lease
             await self.directory.delete(session_id, lease)
             replicas = [self.pools[role].get(getattr(record, f"{role}_replica")) for role in ("draft", "target")]
             await asyncio.gather(*(r.client.end_session(record.service_session_id) for r in replicas if r))
             return True
+
+    async def _check_owner(self, session_id: str, client: str) -> bool:
+        """Whether the session is stored; PermissionDenied if it is another
+        client's. First, before the session's lease or anything else of it is
+        touched: a client naming another's session holds up none of its turns.
+        (Checked again under the lease: the owner cannot change meanwhile, but
+        the session may have been closed.)"""
+        owner = await self.directory.owner(session_id)
+        if owner is not None:
+            refuse_others(session_id, owner, client)
+        return owner is not None
 
     async def close(self) -> None:
         for pool in self.pools.values():
@@ -241,12 +256,20 @@ def claim(record: SessionRecord, client: str) -> None:
     naming it is refused (PERMISSION_DENIED), never shown its history. Without
     authentication (client "") there are no owners; a session from before
     authentication was turned on goes to the first client that names it."""
-    if not client:
-        return
-    if record.owner and record.owner != client:
-        raise errors.PermissionDenied(f"session {record.session_id!r} belongs to another client: choose another "
+    if client:
+        refuse_others(record.session_id, record.owner, client)
+        record.owner = client
+
+
+def refuse_others(session_id: str, owner: str, client: str) -> None:
+    """PermissionDenied if the session's ``owner`` is a client other than ``client``."""
+    if client and owner and owner != client:
+        raise errors.PermissionDenied(f"session {session_id!r} belongs to another client: choose another "
                                       f"session id")
-    record.owner = client
+
+
+def _unknown(session_id: str) -> errors.SessionNotFound:
+    return errors.SessionNotFound(f"session {session_id!r} is unknown (never started, or already closed)")
 
 
 def continue_session(policy, record: SessionRecord, key: tuple) -> None:

@@ -146,6 +146,10 @@ class RedisDirectory:
             turn["deltas"] = [json.loads(d) for d in deltas]
         return SessionRecord.from_dicts(json.loads(session), turn)
 
+    async def owner(self, session_id: str) -> str | None:
+        session = await self._call("read", self._redis.get(session_keys(session_id)["session"]))
+        return None if session is None else json.loads(session).get("owner", "")
+
     async def _read(self, keys: dict[str, str]) -> tuple:
         async with self._redis.pipeline(transaction=True) as pipe:  # one consistent view
             pipe.mget(keys["session"], keys["turn"])

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
+from specdec.coordinator.admission import KVWaits
 from specdec.coordinator.pinning import Pinned
 from specdec.coordinator.pools import Replica
 from specdec.core.interfaces import Drafted, Propose, SessionLost, Verdict, Verify
@@ -220,15 +221,21 @@ class _Retries:
     2 s) to find a restarted service. NOT_FOUND, once: the service lost the
     session; start it again from position 0 with the whole history, after
     ``before_refill()`` (the coordinator checks that the service still serves
-    the model the turn started with; it raises to stop the turn)."""
+    the model the turn started with; it raises to stop the turn).
+    RESOURCE_EXHAUSTED from the service (its KV budget or session cap, once no
+    other replica has room): repeated after a wait, while ``kv_waits`` lets
+    the turn wait (:class:`specdec.coordinator.admission.KVWaits`)."""
 
     REPEAT_AFTER_S = 0.2
     REPEAT_FOR_S = 3.0
 
-    def __init__(self, before_refill) -> None:
+    def __init__(self, before_refill, kv_waits: KVWaits | None = None) -> None:
         self.before_refill = before_refill
         self.repeat_until: float | None = None
         self.refilled = False
+        self.kv_waits = kv_waits
+        self.kv_until: float | None = None
+        self.kv_attempts = 0
 
     async def after(self, e: grpc.RpcError, position: int, client: ServiceClient, session_id: str) -> str | None:
         code = e.code()
@@ -248,7 +255,17 @@ class _Retries:
             log.info("%s service lost session %s (%s): re-pre-filling it from the history",
                      client.role, shown(session_id), _details(e))
             return "refill"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.kv_waits is not None and errors.raised_by_server(e):
+            return "repeat" if await self._wait_for_room() else None
         return None
+
+    async def _wait_for_room(self) -> bool:
+        if self.kv_until is None:
+            self.kv_until = time.monotonic() + self.kv_waits.wait_s
+        if time.monotonic() >= self.kv_until or not await self.kv_waits.wait(self.kv_attempts):
+            return False
+        self.kv_attempts += 1
+        return True
 
 
 @dataclasses.dataclass
@@ -262,6 +279,7 @@ class RemoteSession:
     before_refill: Callable[[ServiceClient], Awaitable[None]]
     may_take_over: Callable[[Replica], Awaitable[bool]]
     metrics: object = None  # a CoordinatorMetrics, or None
+    kv_waits: KVWaits | None = None  # how long the target's verifications may wait for KV room
 
     def refilled(self, role: str, cause: str) -> None:
         if self.metrics is not None:
@@ -370,7 +388,7 @@ class RemoteVerifier:
         self.full: set[str] = set()  # replicas that answered the turn RESOURCE_EXHAUSTED
 
     async def verify(self, call: Verify) -> Verdict:
-        retries = _Retries(self.session.before_refill)
+        retries = _Retries(self.session.before_refill, self.session.kv_waits)
         if not self.pinned.fit() and await _move(self.pinned, self.session, "unhealthy"):
             raise SessionLost("target", "moved")
         client = self.pinned.client

@@ -19,11 +19,10 @@ import logging
 
 from specdec.coordinator.admission import ClientLimits, StreamLimits
 from specdec.coordinator.engine import Coordinator
-from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import auth, errors
 from specdec.serving import convert as conv
-from specdec.serving.generation import Delta
+from specdec.serving.generation import Delta, GenerationStats
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -58,11 +57,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         task = asyncio.current_task()
         self.turns.add(task)
         try:
-            async for reply in self._generate(job):
-                if reply.HasField("stats"):  # the turn is complete: its client may send the next at once
+            async for event in self._generate(job):
+                if isinstance(event, GenerationStats):  # the turn is complete: its client may send the next at once
                     stream()
                     client()
-                yield reply
+                yield conv.event_to_proto(event)
         finally:
             self.turns.discard(task)
             stream()
@@ -95,7 +94,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     streamed += len(event.token_ids)
                 else:
                     stats_sent = True  # the last event
-                yield conv.event_to_proto(event)
+                yield event
         finally:
             if step is not None and not step.done():
                 await asyncio.wait([step])  # its cleanup, after the cancellation reached the turn
@@ -105,7 +104,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await asyncio.shield(closing)
 
     async def CloseSession(self, request, context):
-        return pb.CloseSessionResponse(existed=await self.engine.close_session(request.session_id))
+        return conv.close_session_response(await self.engine.close_session(request.session_id))
 
 
 _END = object()

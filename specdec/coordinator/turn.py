@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from specdec.coordinator.admission import KVWaits
 from specdec.coordinator.directory import Lease, SessionDirectory, SessionRecord, TurnRecord
 from specdec.coordinator.learned_gamma import regime
 from specdec.coordinator.pair import PairInfo, PairRegistry
@@ -51,6 +52,7 @@ class Services:
     observer: RoundObserver
     metrics: object = None  # a CoordinatorMetrics, or None
     pair_draft: object = None  # the draft client the pair is read with when the turn pins no draft
+    kv_waits: KVWaits | None = None  # how long a verification may wait for the target's KV room
 
     def clients(self, role: str = "", replica: Replica | None = None) -> tuple:
         draft = self.draft.client if self.draft is not None and self.draft.client is not None else self.pair_draft
@@ -226,7 +228,8 @@ class Turn:
     def _rounds(self, text: TextStream | None) -> AsyncIterator[RoundResult]:
         req, pair, services = self.request, self.pair, self.services
         session = RemoteSession(self.key, lambda client: services.pairs.check_unchanged(pair, client),
-                                lambda replica: services.serves(pair, replica), services.metrics)
+                                lambda replica: services.serves(pair, replica), services.metrics,
+                                services.kv_waits)
         proposer = None
         if self.drafting and services.draft is not None:
             proposer = RemoteProposer(services.draft, session, self.draft_stats, req.draft_top_k, pair.vocab_size)

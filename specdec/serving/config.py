@@ -38,7 +38,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from specdec.core.gamma import parse_gamma_policy, parse_gamma_spec
 from specdec.core.interfaces import DEFAULT_DRAFT_TOP_K
 from specdec.serving.auth import parse_tokens
-from specdec.serving.tls import ServerTls, check_settings
+from specdec.serving.tls import ServerTls, accepted_identities, check_settings
 
 MiB = 1 << 20
 ROLE_ONLY = {"role_only": True}
@@ -88,8 +88,16 @@ class BaseServiceConfig(BaseSettings):
                         json_schema_extra={"metavar": "FILE"})
     tls_peer_identity: str = Field(
         "", description="with --tls-ca: accept only clients whose certificate names one of these identities "
-        "(comma-separated SAN values, e.g. spiffe://cluster/ns/specdec/sa/coordinator)",
-        json_schema_extra={"metavar": "IDS"})
+        "(comma-separated), each matched against the certificate's subject alternative names of its type only: "
+        "a URI against URI SANs (e.g. spiffe://cluster/ns/specdec/sa/coordinator), a DNS name against DNS SANs. "
+        "A uri: or dns: prefix gives the type; without one, an identity with a scheme (spiffe://, https://) is a "
+        "URI, any other a DNS name", json_schema_extra={"metavar": "IDS"})
+
+    @field_validator("tls_peer_identity")
+    @classmethod
+    def _typed_identities(cls, value: str) -> str:
+        accepted_identities(value)
+        return value
 
     @model_validator(mode="after")
     def _tls_complete(self):
@@ -114,8 +122,8 @@ class BaseServiceConfig(BaseSettings):
 
     @property
     def peer_identities(self) -> frozenset[str] | None:
-        ids = frozenset(i.strip() for i in self.tls_peer_identity.split(",") if i.strip())
-        return ids or None
+        """The identities accepted, each as ``uri:URI`` or ``dns:NAME`` (None: any)."""
+        return accepted_identities(self.tls_peer_identity) or None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -259,6 +267,13 @@ class CoordinatorConfig(BaseServiceConfig):
     max_streams: int = Field(4096, gt=0, description="Generate streams this coordinator serves at once (each "
                              "holds no thread: a few kB and its session's history); more are refused with "
                              "RESOURCE_EXHAUSTED and a retry-after hint", json_schema_extra={"metavar": "N"})
+    kv_wait_s: float = Field(
+        30.0, ge=0, description="how long a turn waits for KV room when every target replica is at its KV budget "
+        "or session cap (the call is sent again as other turns end); then RESOURCE_EXHAUSTED with a retry-after "
+        "hint; 0: refuse at once", json_schema_extra={"flag": "--kv-wait", "metavar": "SECONDS"})
+    kv_wait_turns: int = Field(
+        1024, ge=0, description="turns that may wait for KV room at once (--kv-wait); more are refused "
+        "RESOURCE_EXHAUSTED at once", json_schema_extra={"metavar": "N"})
     max_stream_memory_mb: int = Field(
         2048, ge=0, description="memory this coordinator's streams may hold, in MiB: each is charged twice its "
         "request's size and 64 kB; a request past it is refused RESOURCE_EXHAUSTED with a retry-after hint; "

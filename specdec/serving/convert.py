@@ -371,3 +371,7 @@ def event_from_proto(msg: pb.GenerateResponse) -> Delta | GenerationStats:
     values["gammas"] = list(stats.gammas)
     values["accepted_per_round"] = list(stats.accepted_per_round)
     return GenerationStats(**values)
+
+
+def close_session_response(existed: bool) -> pb.CloseSessionResponse:
+    return pb.CloseSessionResponse(existed=existed)

@@ -3,10 +3,13 @@
 A service given ``--tls-cert`` and ``--tls-key`` serves TLS only; given
 ``--tls-ca`` too, it asks every client for a certificate signed by that CA
 (mutual TLS), and with ``--tls-peer-identity`` accepts only clients whose
-certificate names one of those identities (a SAN: DNS name, URI such as a
-SPIFFE ID, or e-mail): a certificate from the same CA naming another identity
-is refused. The coordinator reaches model services over TLS when given
-``--upstream-ca`` (and presents ``--upstream-cert`` / ``--upstream-key``).
+certificate names one of those identities: a certificate from the same CA
+naming another identity is refused. Identities have a type, and a subject
+alternative name matches only an identity of its own type: a URI (such as a
+SPIFFE ID) only a URI SAN, a DNS name only a DNS SAN (case aside), so a DNS or
+e-mail SAN spelling a URI names no URI. The coordinator reaches model services
+over TLS when given ``--upstream-ca`` (and presents ``--upstream-cert`` /
+``--upstream-key``).
 
 The server re-reads its certificate, key and CA when their files change: the
 next connection uses the new ones, connections already open (and their
@@ -19,20 +22,27 @@ Incomplete settings fail at start-up; nothing falls back to plaintext.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
+import re
 import ssl
 import threading
 from collections.abc import Callable
 
 import grpc
+from cryptography import x509
 
 log = logging.getLogger(__name__)
 
-# What a peer's certificate names, as gRPC's auth context reports it.
-# (Subject alternative names only: a CA may let requesters choose their common name.)
-_IDENTITY_PROPERTIES = ("x509_subject_alternative_name",)
+# The peer's certificate, as gRPC's auth context gives it: its subject
+# alternative names are read from it with their types (never the common name:
+# a CA may let requesters choose it).
+_PEER_CERT = "x509_pem_cert"
+_SAN_TYPES = {"uri": x509.UniformResourceIdentifier, "dns": x509.DNSName, "email": x509.RFC822Name}
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+_DNS_NAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +163,45 @@ def _check_pem(ca: str, cert: str, key: str) -> None:
         context.load_cert_chain(cert, key or None)
 
 
-def peer_identities(context) -> set[str]:
-    """The identities the calling peer's certificate names (empty: none presented)."""
-    auth = context.auth_context() or {}
-    names: set[str] = set()
-    for prop in _IDENTITY_PROPERTIES:
-        names |= {v.decode() if isinstance(v, bytes) else str(v) for v in auth.get(prop, ())}
-    return names
+def accepted_identities(text: str) -> frozenset[str]:
+    """``--tls-peer-identity``'s comma-separated identities, each as its type
+    and value: ``uri:URI`` or ``dns:NAME``. A ``uri:`` or ``dns:`` prefix says
+    the type; without one, an identity with a scheme (``spiffe://…``,
+    ``https://…``) is a URI, any other a DNS name. ValueError names one that is neither."""
+    return frozenset(_typed(item.strip()) for item in text.split(",") if item.strip())
+
+
+def _typed(identity: str) -> str:
+    kind, sep, value = identity.partition(":")
+    if not (sep and kind.lower() in ("uri", "dns")):
+        kind, value = ("uri" if _SCHEME.match(identity) else "dns"), identity
+    kind = kind.lower()
+    if (kind == "uri" and not _SCHEME.match(value)) or (kind == "dns" and not _DNS_NAME.fullmatch(value)):
+        raise ValueError(f"must be URIs (with a scheme, as spiffe://…, or uri:URI) or DNS names (NAME or "
+                         f"dns:NAME): {identity!r} is neither")
+    return f"dns:{value.lower()}" if kind == "dns" else f"uri:{value}"
+
+
+def peer_identities(context) -> frozenset[str]:
+    """The identities the calling peer's certificate names, each as its type
+    and value (``uri:…``, ``dns:…``, ``email:…``), as :func:`accepted_identities`
+    gives those accepted (empty: no certificate, or none readable)."""
+    pem = next(iter((context.auth_context() or {}).get(_PEER_CERT, ())), None)
+    if not pem:
+        return frozenset()
+    return certificate_identities(pem if isinstance(pem, bytes) else str(pem).encode())
+
+
+@functools.lru_cache(maxsize=256)  # every call of a connection presents the same certificate
+def certificate_identities(pem: bytes) -> frozenset[str]:
+    """The subject alternative names of a PEM certificate, with their types."""
+    try:
+        names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return frozenset()
+    except (ValueError, x509.DuplicateExtension, x509.UnsupportedGeneralNameType) as e:
+        log.warning("a peer's certificate could not be read for its identities: %s", e)
+        return frozenset()
+    typed = {kind: names.value.get_values_for_type(san) for kind, san in _SAN_TYPES.items()}
+    typed["dns"] = [name.lower() for name in typed["dns"]]
+    return frozenset(f"{kind}:{value}" for kind, values in typed.items() for value in values)

@@ -74,7 +74,8 @@ def test_model_services_accept_only_the_coordinators_certificate_identity(secure
     for role in ("draft", "target"):
         config = roles[role].config()
         assert config.tls_ca, f"{role}: no mutual TLS"
-        assert config.peer_identities and config.peer_identities <= set(theirs.get("uris", [])), \
+        uris = {f"uri:{uri}" for uri in theirs.get("uris", [])}  # URI SANs: accepted only as URIs
+        assert config.peer_identities and config.peer_identities <= uris, \
             f"{role} accepts {config.peer_identities}; the coordinator's certificate names {theirs.get('uris')}"
 
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -149,6 +150,50 @@ def test_the_kv_budget_refuses_with_resource_exhausted(pair):
             stub.Verify(pc.verify_request("new", 1, 0, list(range(30)), [], GREEDY), timeout=20)  # room now
     finally:
         loop.call(target.stop())
+        loop.close()
+
+
+def test_a_turn_waits_for_kv_room_then_gives_the_target_output(pair):
+    """Every target at its KV budget: the coordinator's turn waits (--kv-wait)
+    until a call in flight ends, then generates what the target alone would;
+    with no wait allowed it is refused RESOURCE_EXHAUSTED at once."""
+    from specdec.serving import errors
+
+    target_dir, draft_dir = pair
+    loop = LoopThread()
+    services = [start_service(loop, "draft", draft_dir), start_service(loop, "target", target_dir,
+                                                                          max_cached_tokens=100)]
+    engines = {wait: SyncEngine(loop, lambda wait=wait: Coordinator(CoordinatorConfig(
+        draft=f"127.0.0.1:{services[0].port}", target=f"127.0.0.1:{services[1].port}", kv_wait_s=wait)))
+        for wait in (0.0, 30.0)}
+    prompt = list(range(1, 31))
+    expected = SpeculativeDecoder(target=target_dir).generate(prompt, max_new_tokens=12, gamma=0)
+    release = threading.Event()
+
+    async def hold_session():  # a call in flight on a 90-token session
+        async with services[1].host.sessions.open("busy", 0, reserve=90):
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+
+    try:
+        held = asyncio.run_coroutine_threadsafe(hold_session(), loop.loop)
+        with pytest.raises(errors.ResourceExhausted, match="budget of 100 tokens"):
+            generate(engines[0.0], prompt_ids=prompt, max_new_tokens=12)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(generate, engines[30.0], prompt_ids=prompt, max_new_tokens=12)
+            deadline = time.monotonic() + 30
+            while engines[30.0].kv_waits.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engines[30.0].kv_waits.waiting == 1 and not waiting.done()  # waiting for room
+            release.set()
+            assert waiting.result(60) == expected.token_ids
+        held.result(10)
+    finally:
+        release.set()
+        for engine in engines.values():
+            engine.close()
+        for service in services:
+            loop.call(service.stop())
         loop.close()
 
 
