@@ -14,7 +14,21 @@ from specdec.core.vocabulary import check_token_ids
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import GenerateJob
-from specdec.serving.names import check_name
+from specdec.serving.names import MAX_NAME_LEN, check_name
+
+# Bounds on a Generate request's strings, checked before anything else is done
+# for it: before tokenising, before any lease or service call. Every stop
+# string is looked for in every round's new text, so their number and length
+# bound that work (specdec.core.text: a round's search covers, per stop string,
+# the new text and that string's length before it). OpenAI allows 4 stop sequences;
+# 64 of up to 256 characters cover the end markers of any chat template, role
+# headers and multi-line delimiters many times over, while at these bounds the
+# text handling of a turn costs at most about twice what it costs without stop
+# strings (scripts/bench_stop_strings.py). A γ policy is a word or "static:N".
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_GAMMA_POLICY_CHARS = 64
+MAX_ID_CHARS = MAX_NAME_LEN  # session_id, turn_id (specdec.serving.names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +74,38 @@ class RequestCheck:
             job = dataclasses.replace(job, gamma_policy=self.config.default_gamma_policy)
         return Request(job, ids, policy, job.sampling.with_seed(), min(top_k, pair.vocab_size), plain)
 
+    @staticmethod
+    def check_sizes(job: GenerateJob) -> None:
+        """The bounds on the request's strings (the prompt's, which depends on
+        the model's context, is :meth:`validate`'s). Each refusal costs no more
+        than counting: a flood of stop strings is not looked through."""
+        if len(job.stop) > MAX_STOP_STRINGS:
+            raise errors.InvalidRequest(
+                f"too many stop strings ({len(job.stop)}): at most {MAX_STOP_STRINGS} are allowed")
+        for i, stop in enumerate(job.stop):
+            if not stop:
+                raise errors.InvalidRequest("stop strings must not be empty")
+            if len(stop) > MAX_STOP_CHARS:
+                raise errors.InvalidRequest(
+                    f"stop[{i}] has {len(stop)} characters: a stop string may have at most {MAX_STOP_CHARS}")
+        if len(job.gamma_policy) > MAX_GAMMA_POLICY_CHARS:
+            raise errors.InvalidRequest(
+                f"gamma_policy has {len(job.gamma_policy)} characters, more than {MAX_GAMMA_POLICY_CHARS}: use "
+                "'static:N', 'heuristic' or 'adaptive'")
+        check_name(job.session_id, "session_id", MAX_ID_CHARS)
+        check_name(job.turn_id, "turn_id", MAX_ID_CHARS)
+
     def _check_fields(self, job: GenerateJob, pair: PairInfo) -> None:
+        self.check_sizes(job)
         if job.prompt and job.prompt_ids:
             raise errors.InvalidRequest("both prompt and prompt_ids are set: give exactly one")
         if not job.prompt and not job.prompt_ids:
             raise errors.InvalidRequest("prompt is empty: give a prompt (text) or prompt_ids")
-        check_name(job.session_id, "session_id")
-        check_name(job.turn_id, "turn_id")
         if job.resume_after is not None and not (job.session_id and job.turn_id):
             raise errors.InvalidRequest("resume_after needs the session_id and turn_id of the turn to resume")
         cap = self.config.max_new_tokens_cap
         if not 0 < job.max_new_tokens <= cap:
             raise errors.InvalidRequest(f"max_new_tokens must be in [1, {cap}], got {job.max_new_tokens}")
-        if any(not s for s in job.stop):
-            raise errors.InvalidRequest("stop strings must not be empty")
         if (job.prompt or job.stop) and self.tokenizer is None:
             what = "a text prompt" if job.prompt else "stop strings"
             raise errors.InvalidRequest(f"this coordinator has no tokenizer, so it cannot take {what}: send prompt_ids")

@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Protocol
 
+from specdec.core.text import excerpt
+
 if TYPE_CHECKING:
     from specdec.core.interfaces import RoundResult
 
@@ -509,10 +511,10 @@ def parse_gamma_spec(spec: str) -> tuple[str, int | None]:
         try:
             return "static", int(text[len("static:"):])
         except ValueError:
-            raise ValueError(f"gamma_policy {spec!r}: static:N needs an integer N") from None
+            raise ValueError(f"gamma_policy {excerpt(spec)}: static:N needs an integer N") from None
     if text in ("heuristic", "adaptive"):
         return text, None
-    raise ValueError(f"gamma_policy {spec!r} is not understood: use 'static:N', 'heuristic' or 'adaptive'")
+    raise ValueError(f"gamma_policy {excerpt(spec)} is not understood: use 'static:N', 'heuristic' or 'adaptive'")
 
 
 def parse_gamma_policy(spec: str, gamma_max: int, plain_tokens: int = 1) -> GammaPolicy:
@@ -522,7 +524,7 @@ def parse_gamma_policy(spec: str, gamma_max: int, plain_tokens: int = 1) -> Gamm
     kind, gamma = parse_gamma_spec(spec)
     if kind == "static":
         if not 0 <= gamma <= gamma_max:
-            raise ValueError(f"gamma_policy {spec!r}: gamma must be in [0, {gamma_max}], got {gamma}")
+            raise ValueError(f"gamma_policy {excerpt(spec)}: gamma must be in [0, {gamma_max}], got {gamma}")
         return StaticGamma(gamma)
     if kind == "heuristic":
         # gamma_max 0 (speculation off): γ starts at 0, and a round drafting nothing changes nothing

@@ -26,6 +26,8 @@ import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
+from specdec.core.text import excerpt
+
 if TYPE_CHECKING:
     from specdec.core.sampling import Distribution
 
@@ -73,13 +75,13 @@ def validate_sampling(params: SamplingParams) -> None:
     """Raise ValueError naming the bad field (used by the dataclass and by servers)."""
     t, k, p = params.temperature, params.top_k, params.top_p
     if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {excerpt(t)}")
     if not isinstance(k, int) or k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {k!r}")
+        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {excerpt(k)}")
     if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        raise ValueError(f"top_p must be in (0, 1], got {excerpt(p)}")
     if params.seed is not None and (not isinstance(params.seed, int) or params.seed < 0):
-        raise ValueError(f"seed must be a non-negative integer, got {params.seed!r}")
+        raise ValueError(f"seed must be a non-negative integer, got {excerpt(params.seed)}")
 
 
 @dataclasses.dataclass(frozen=True)

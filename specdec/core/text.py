@@ -11,13 +11,35 @@ Two things make this more than ``tokenizer.decode(new_ids)``:
   Hugging Face TGI, O(1) per token.
 * Stop strings are matched on text, which may straddle tokens and rounds. Output is
   cut *before* the stop string, so any tail of the released text that could still
-  become a stop string is held back until it is decided.
+  become a stop string is held back until it is decided. Only that held-back
+  tail and the new text are searched (:class:`_StopStrings`): the work per round
+  does not grow with the text generated before it.
+
+Also :func:`excerpt`: how an error message or log line shows a client's text.
 """
 
 from __future__ import annotations
 
+import bisect
+from itertools import chain
+from operator import itemgetter
+
 # Tokens of already-known text decoded along with new ones, for context.
 _CONTEXT_TOKENS = 5
+
+# Characters of a client's value an error message or log line repeats.
+EXCERPT_CHARS = 80
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """``value`` as an error message may repeat it: its repr (control
+    characters escaped: no forged log lines), cut after ``limit`` characters.
+    A client's megabyte comes back as a line, not as a megabyte of status
+    details and log."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}… ({len(value)} characters)"
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}…"
 
 
 def decode_continuation(tokenizer, context_ids: list[int], ids: list[int]) -> str:
@@ -37,12 +59,13 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), context_ids: list[int] = ()):
         self._tok = tokenizer
-        self._stop = [s for s in stop if s]
+        self._stop = _StopStrings(stop) if any(stop) else None
         self._ids: list[int] = list(context_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # self._ids[_prefix:_read] is already-released context
         self._read = len(self._ids)
-        self._text = ""  # decided text of the generation so far
-        self._sent = 0  # characters of _text already released
+        # Decided text not released yet: the tail held back for a stop string
+        # that may be completing, then the text decided since.
+        self._pending = ""
         self._taken: list[str] = []  # released by stop_after, not yet taken
         self.stopped = False
 
@@ -68,10 +91,10 @@ class TextStream:
         return None
 
     def _state(self) -> tuple:
-        return list(self._ids), self._prefix, self._read, self._text, self._sent, len(self._taken)
+        return list(self._ids), self._prefix, self._read, self._pending, len(self._taken)
 
     def _restore(self, state: tuple) -> None:
-        ids, self._prefix, self._read, self._text, self._sent, taken = state
+        ids, self._prefix, self._read, self._pending, taken = state
         self._ids = ids
         del self._taken[taken:]
         self.stopped = False
@@ -103,10 +126,16 @@ class TextStream:
         """Decide the text the ids not yet read complete; release what is safe."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
-        if final or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
-            self._text += new_text[len(prefix_text):]
-            self._prefix, self._read = (self._read, len(self._ids)) if not final else (len(self._ids),) * 2
-        return self._release(final=final)
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
+            return ""  # nothing decided: what is held back stays so
+        added = new_text[len(prefix_text):]
+        self._pending += added
+        self._prefix, self._read = (self._read, len(self._ids)) if not final else (len(self._ids),) * 2
+        # Ids before the context are never decoded again: drop them, so that
+        # saving the state (each round) copies a few ids, not the generation's.
+        del self._ids[:self._prefix]
+        self._prefix, self._read = 0, self._read - self._prefix
+        return self._release(len(added), final)
 
     def finish(self) -> str:
         """End of generation: release whatever is left, incomplete characters
@@ -115,30 +144,70 @@ class TextStream:
             return ""
         return self._advance(final=True)
 
-    def _release(self, final: bool) -> str:
-        if self._stop:
-            # A stop string can only newly appear in text not yet released (plus
-            # the held-back tail before it, which is never released).
-            start = max(0, self._sent - max(map(len, self._stop)))
-            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                out = self._text[self._sent:cut]
-                self._sent = cut
+    def _release(self, new: int, final: bool) -> str:
+        """Release the pending text, of which the last ``new`` characters just
+        came, up to a stop string or what may still become one."""
+        held = 0
+        if self._stop is not None:
+            cut = self._stop.first_match(self._pending, new)
+            if cut is not None:
+                out, self._pending = self._pending[:cut], ""
                 self.stopped = True
                 return out
-        end = len(self._text) if final else len(self._text) - self._held_back()
-        out = self._text[self._sent:end]
-        self._sent = max(self._sent, end)
+            held = 0 if final else self._stop.held_back(self._pending)
+        end = len(self._pending) - held
+        out, self._pending = self._pending[:end], self._pending[end:]
         return out
 
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop
-        string (it may still turn into one)."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(self._text)), best, -1):
-                if self._text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+
+class _StopStrings:
+    """A request's stop strings, matched against the text not released yet:
+    the tail held back (shorter than the longest stop string) and the text
+    that came since.
+
+    A stop string completing there starts there (released text never ends
+    with the beginning of one), so only that text is searched: the work per
+    round depends on the stop strings and the new text, not on what came
+    before."""
+
+    def __init__(self, stop: list[str] | tuple[str, ...]):
+        self._sorted = sorted(filter(None, stop))
+        # The first character of each, and the first two: most places in a
+        # text begin none, and are passed over without a search.
+        self._firsts = frozenset(map(itemgetter(0), self._sorted))
+        self._heads = self._firsts.union(map(itemgetter(slice(2)), self._sorted))
+        self._ending: dict[str, list[str]] = {}  # last character -> the stop strings it ends
+        for s in self._sorted:
+            self._ending.setdefault(s[-1], []).append(s)
+        self._shortest, self._longest = min(map(len, self._sorted)), max(map(len, self._sorted))
+
+    def first_match(self, text: str, new: int) -> int | None:
+        """Where the earliest stop string in ``text`` starts, or None. None was
+        there before its last ``new`` characters came, so one must end among
+        them: only the stop strings ending with one of those characters are
+        looked for, and where one is found first is where it completes."""
+        came = text[len(text) - new:]
+        if len(text) < self._shortest or self._ending.keys().isdisjoint(came):  # most rounds
+            return None
+        ending = chain.from_iterable(self._ending.get(char, ()) for char in set(came))
+        found = filter((-1).__lt__, map(text.find, ending))  # find: -1 where it is not there
+        return min(found, default=None)
+
+    def held_back(self, text: str) -> int:
+        """The length of the longest tail of ``text`` that is a proper prefix of a
+        stop string (it may still become one). It starts where last round's did
+        or later, and ``text`` starts there: the places passed over before it
+        are released, so each is passed over once in a turn."""
+        start = max(0, len(text) - self._longest + 1)
+        if self._firsts.isdisjoint(text[start:]):
+            return 0
+        for i in range(start, len(text)):
+            if text[i] in self._firsts and text[i:i + 2] in self._heads and self._begins_one(text[i:]):
+                return len(text) - i
+        return 0
+
+    def _begins_one(self, tail: str) -> bool:
+        """Whether a stop string starts with ``tail``: the strings that do sort
+        right after it."""
+        k = bisect.bisect_left(self._sorted, tail)
+        return k < len(self._sorted) and self._sorted[k].startswith(tail)

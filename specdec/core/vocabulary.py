@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import hashlib
 
+from specdec.core.text import excerpt
+
 
 def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:
     """ValueError naming the first id outside [0, vocab_size), e.g.
     ``prompt_ids[1] = 260 is outside the vocabulary [0, 256)``."""
     for i, t in enumerate(tokens):
         if not (isinstance(t, int) and 0 <= t < vocab_size):
-            raise ValueError(f"{what}[{i}] = {t!r} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{what}[{i}] = {excerpt(t)} is outside the vocabulary [0, {vocab_size})")
 
 
 def size_fingerprint(vocab_size: int) -> str:

@@ -23,7 +23,9 @@ share a ``--redis`` session directory), a stream that breaks because its
 coordinator died or is draining goes on through the next coordinator:
 a named session's turn is resumed after the last delta received, so the loop
 sees each token once; a one-shot request is sent again only if none of it had
-arrived. It keeps trying for ``failover_s`` seconds (default 30 with several
+arrived. So does a stream that ends with UNAVAILABLE and a retry-after hint (its
+coordinator's session directory was down past ``--directory-outage``), after
+that hint. It keeps trying for ``failover_s`` seconds (default 30 with several
 coordinators; 0, no retry, with one).
 """
 
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from specdec.core.interfaces import SamplingParams
+from specdec.core.text import excerpt
 from specdec.proto import specdec_pb2 as pb
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import convert, errors
@@ -204,17 +207,22 @@ class Client:
 
     def _fail_over(self, e: grpc.RpcError, job: GenerateJob, received: int, give_up_at: float) -> bool:
         """Whether to go on through the next coordinator (switched to, after a
-        pause): only when this one is gone (no answer of its own) or draining.
-        An UNAVAILABLE it answered itself (its session directory or a model
-        service is down) would be the same through any other."""
-        resumable = bool(job.session_id) or received == 0
+        pause): when this one is gone (no answer of its own) or draining, or
+        answered UNAVAILABLE with a retry-after hint (its session directory was
+        down longer than it waits: the turn can be resumed once it is back), after
+        that hint. Another UNAVAILABLE it answered itself (a model service or the
+        directory down now) would be the same through any other."""
+        unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
+        hint = errors.retry_after(e) if unavailable else None
         gone = errors.raised_by_server(e) in (None, errors.Draining.__name__)
-        if e.code() != grpc.StatusCode.UNAVAILABLE or not gone or not resumable or time.monotonic() >= give_up_at:
+        resumable = bool(job.session_id) or received == 0
+        if not unavailable or not (gone or hint is not None) or not resumable or time.monotonic() >= give_up_at:
             return False
         log.warning("coordinator %s: %s; going on through %s after %d deltas", self.address, e.details(),
                     self.addresses[(self._current + 1) % len(self.addresses)], received)
         self._current = (self._current + 1) % len(self.addresses)
-        time.sleep(0.2 if len(self.addresses) > 1 else 0.5)
+        pause = 0.2 if len(self.addresses) > 1 else 0.5
+        time.sleep(pause if hint is None else min(hint, max(0.0, give_up_at - time.monotonic())))
         return True
 
     def complete(self, prompt: str | None = None, **kwargs) -> Completion:
@@ -282,7 +290,7 @@ def _token_ids(prompt_ids) -> list[int]:
             raise TypeError
         tokens = iter(prompt_ids)
     except TypeError:
-        raise errors.InvalidRequest(f"prompt_ids must be a sequence of token ids, got {prompt_ids!r}") from None
+        raise errors.InvalidRequest(f"prompt_ids must be a sequence of token ids, got {excerpt(prompt_ids)}") from None
     ids = []
     for i, token in enumerate(tokens):
         try:
@@ -292,7 +300,8 @@ def _token_ids(prompt_ids) -> list[int]:
         except TypeError:
             batch = i == 0 and hasattr(token, "__len__") and not isinstance(token, str)
             hint = " (a batch of one? pass ids[0])" if batch else ""
-            raise errors.InvalidRequest(f"prompt_ids[{i}] = {token!r} is not a token id (an integer){hint}") from None
+            raise errors.InvalidRequest(
+                f"prompt_ids[{i}] = {excerpt(token)} is not a token id (an integer){hint}") from None
         if not -(2**31) <= token < 2**31:  # int32 on the wire; the coordinator checks the vocabulary
             raise errors.InvalidRequest(f"prompt_ids[{i}] = {token} is not a token id")
         ids.append(token)

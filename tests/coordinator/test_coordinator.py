@@ -243,6 +243,21 @@ def test_stop_string_across_rounds_and_the_session_continues_after_it(fakes, tok
     assert ids2 == expected_tokens(len(record.tokens) + 1, 5)
 
 
+def test_the_most_stop_strings_a_request_may_carry_work_as_one(fakes, tokenizer):
+    """At the bounds (MAX_STOP_STRINGS of MAX_STOP_CHARS characters, most of
+    them held back for rounds as the text begins them): cut where the one
+    that completes first begins."""
+    from specdec.coordinator.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    _, _, make = fakes
+    full = (TEXT * 10).decode()
+    never = [full[3 + i:3 + i + MAX_STOP_CHARS - 1] + "#" for i in range(MAX_STOP_STRINGS - 1)]
+    ids, text, stats = run(make(tokenizer), prompt="hel", max_new_tokens=300, gamma_policy="static:3",
+                           stop=(*never, "decoding! hello"))
+    assert stats.finish_reason == "stop"
+    assert text == full[3:full.index("decoding! hello")]
+
+
 def test_evicted_sessions_are_re_pre_filled_from_the_history(fakes):
     draft, target, make = fakes
     engine = make()

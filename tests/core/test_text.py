@@ -83,3 +83,61 @@ def test_a_round_of_tokens_at_once_keeps_and_releases_what_one_at_a_time_does(to
 
     for stop in ([], ["\n\n"], ["c en", "日本 o"], ["never"]):
         assert feed(TextStream(tokenizer, stop), False) == feed(TextStream(tokenizer, stop), True), stop
+
+
+def _searched_whole(data: bytes, stop: list[str]) -> tuple[int | None, list[str]]:
+    """The reference, one byte token at a time: search all the text decided so
+    far for every stop string; else release all of it but its longest tail
+    that begins a stop string. (tokens kept, the text released after each)"""
+    released = []
+    for k in range(1, len(data) + 1):
+        text = data[:k].decode("utf-8", errors="ignore")  # an unfinished character is not decided yet
+        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if hits:
+            return k, released + [text[:min(hits)]]
+        held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        released.append(text[:len(text) - held])
+    return None, released
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_strings_are_found_as_searching_all_the_text_would(tokenizer, seed):
+    """Overlapping stop strings (the earliest start wins among those complete),
+    ones sharing prefixes or repeating a character, strings split across
+    tokens and multi-byte characters."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "aab é日\n"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4))]
+        start = rng.randrange(len(text))
+        stop.append(text[start:start + rng.randint(1, 6)])  # one that may well match
+        stream = TextStream(tokenizer, stop)
+        released, kept = "", None
+        seen = []
+        for k, token in enumerate(text.encode(), 1):
+            released += stream.push(token)
+            seen.append(released)
+            if stream.stopped:
+                kept = k
+                break
+        assert (kept, seen) == _searched_whole(text.encode(), stop), (text, stop)
+
+
+def test_the_text_kept_to_search_stays_short_however_long_the_generation(tokenizer):
+    """Matching looks only at the text not released yet: the held-back tail
+    (shorter than the longest stop string) and the round's new text, so a
+    round costs the same after 20,000 characters as after 20, even with the
+    most stop strings a request may carry, each held back nearly whole."""
+    stop = [("ab" * 128)[i:i + 255] + "!" for i in range(64)]  # "abab…!" never completes
+    stream = TextStream(tokenizer, stop)
+    longest_kept, out = 0, []
+    for i in range(0, 20_000, 5):
+        assert stream.stop_after(list(b"ababa" if i % 2 == 0 else b"babab")) is None
+        out.append(stream.take())
+        longest_kept = max(longest_kept, len(stream._pending), len(stream._ids))
+    out.append(stream.finish())
+    assert longest_kept < 255 + 5
+    assert "".join(out) == "ab" * 10_000
