@@ -12,7 +12,11 @@ from 63 different offsets and end with a space, and one of a single
 character that never comes (a long tail is held back after every round, and
 every round with a space searches for them all).
 
-    python scripts/bench_stop_strings.py [--tokens 64] [--repeats 300] [--tokenizer DIR]
+Then whole requests: the bundled pair's in-process decoder generating the same
+tokens (greedy, adaptive γ) with no stop strings and with the worst case,
+the text handled as the coordinator handles it.
+
+    python scripts/bench_stop_strings.py [--tokens 64] [--repeats 300] [--requests 15] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -70,10 +74,34 @@ def one_turn(tokenizer, context: list[int], ids: list[int], stop: list[str], per
     return time.perf_counter() - started
 
 
+def whole_requests(tokens: int, repeats: int) -> None:
+    """The in-process decoder's request, with no stop strings and with the worst case, side by side."""
+    from specdec import SpeculativeDecoder
+    from specdec.core.gamma import parse_gamma_policy
+
+    decoder = SpeculativeDecoder(target=bundled.target_path(), draft=bundled.draft_path())
+    prompt = decoder.target.tokenizer.encode(PROMPT, add_special_tokens=False) if decoder.target.tokenizer else [1]
+    generated = decoder.generate(prompt, max_new_tokens=tokens, gamma=parse_gamma_policy("adaptive", 8)).text or ""
+    sets = {"none": [], "worst case at the limits": worst_case(generated)}
+    times = {name: [] for name in sets}
+    for _ in range(repeats):
+        for name, stop in sets.items():
+            started = time.perf_counter()
+            out = decoder.generate(prompt, max_new_tokens=tokens, gamma=parse_gamma_policy("adaptive", 8), stop=stop)
+            times[name].append(time.perf_counter() - started)
+            assert out.finish_reason != "stop", "a stop string matched: the benchmark's text must not end"
+    base = statistics.median(times["none"])
+    print(f"whole requests of {tokens} tokens (in-process decoder, bundled pair), median of {repeats} each")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"  {name:<36} {median * 1e3:>8.1f} ms {median / base:>7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=15, help="whole requests of each kind (0: none)")
     parser.add_argument("--tokenizer", type=pathlib.Path, default=bundled.target_path())
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.tokenizer)
@@ -94,6 +122,8 @@ def main() -> None:
         for name, samples in times.items():
             median = statistics.median(samples)
             print(f"{per_round:>14}  {name:<36} {median * 1e6:>10.0f} {median / base:>7.2f}")
+    if args.requests:
+        whole_requests(args.tokens, args.requests)
 
 
 if __name__ == "__main__":
