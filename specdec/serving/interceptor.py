@@ -13,7 +13,8 @@ RPC metrics around each call, in one wrapper.
 * **Metrics.** Latency and errors by code; on a model service also its model
   work (the reply's ServerTiming), drafts proposed, drafts verified and accepted.
 
-It wraps unary and server-streaming handlers, the only kinds specdec serves.
+It wraps unary and server-streaming handlers, the only kinds specdec serves;
+reflection's bidirectional stream gets the checks and the parsing alone.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         guarded = (self.tokens is not None or self.peers is not None) and not method.startswith(auth.OPEN_SERVICES)
         tokens = _Guard(self.peers, self.tokens) if guarded else None
         if handler.request_streaming:  # reflection: no spans, but no way around the checks either
-            return handler if tokens is None else _checked_bidi(handler, tokens)
+            return _parsed_stream(handler if tokens is None else _checked_bidi(handler, tokens), method)
         if handler.response_streaming:
             behavior = handler.unary_stream
             # A coroutine that writes its replies with context.write() (health's Watch) is wrapped as unary.
@@ -144,6 +145,29 @@ def _tolerant(deserializer):
 def _check_parsed(request, method: str) -> None:
     if isinstance(request, _Malformed):
         raise InvalidRequest(f"{method}: the request is not a valid message ({request.error})")
+
+
+def _parsed_stream(handler, method: str):
+    """A request-streaming handler (reflection) given its requests parsed here:
+    one that does not parse ends the call with INVALID_ARGUMENT, as a unary
+    call's would (grpc alone answers UNKNOWN and logs a traceback)."""
+    behavior = handler.stream_stream
+
+    async def bidi(request_iterator, context):
+        async def parsed():
+            async for request in request_iterator:
+                try:
+                    _check_parsed(request, method)
+                except InvalidRequest as e:
+                    log.info("%s -> %s: %s", method, e.code.name, e)
+                    await context.abort(e.code, str(e), trailing_metadata=trailing_metadata(e))
+                yield request
+
+        async for message in behavior(parsed(), context):
+            yield message
+
+    return grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=_tolerant(handler.request_deserializer),
+                                                 response_serializer=handler.response_serializer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,7 +146,10 @@ class GrpcServer:
         ``host:port`` too: for the kubelet's gRPC probes, which cannot speak TLS.
         The answers are those of the service port (one health servicer). Returns
         the bound port."""
-        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # The interceptor without metrics or checks: a body that does not parse
+        # is answered INVALID_ARGUMENT there too (health calls make no span).
+        self.health_server = grpc.aio.server(interceptors=[ServiceInterceptor()],
+                                             options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:

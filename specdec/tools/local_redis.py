@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 
 
 def redis_server_binary() -> str:
@@ -35,10 +36,11 @@ def free_port() -> int:
 
 class RedisServer:
     """``start()`` / ``stop()`` a redis-server on a fixed loopback port (so a
-    restart comes back at the same URL), persisting nothing."""
+    restart comes back at the same URL), persisting nothing unless ``args``
+    (more redis-server options, after and over these) say otherwise."""
 
-    def __init__(self, workdir: pathlib.Path, port: int | None = None):
-        self.workdir, self.port = workdir, port or free_port()
+    def __init__(self, workdir: pathlib.Path, port: int | None = None, args: Sequence[str] = ()):
+        self.workdir, self.port, self.args = workdir, port or free_port(), list(args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -49,7 +51,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "no", "--dir", str(self.workdir), *self.args],
             stdout=open(self.workdir / "redis.log", "ab"), stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

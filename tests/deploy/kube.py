@@ -37,6 +37,9 @@ NAMESPACE = "specdec"
 # The Kubernetes release the manifests are validated against (kubernetes-validate's schemas).
 KUBERNETES_VERSION = "1.33"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "Pod")
+# Policy scanners (kube-score, Checkov CKV_K8S_40) want every container's user
+# and group above this: clear of the system users and of host users' ids.
+HIGHEST_RESERVED_ID = 10000
 
 
 # ---------------------------------------------------------------- tools
@@ -362,3 +365,38 @@ def by_role(objects) -> dict[str, SpecdecContainer]:
     out = {sc.role: sc for sc in specdec_containers(objects)}
     assert sorted(out) == sorted(CONFIG_CLASSES), f"specdec workloads: {sorted(out)}"
     return out
+
+
+# ---------------------------------------------------------------- the bundled Redis
+
+
+def redis_pod(objects) -> tuple[dict, dict]:
+    """(the StatefulSet ``specdec-redis``, its Redis container)."""
+    workload = named(objects, "StatefulSet", "specdec-redis")
+    (container,) = pod_template(workload)["spec"]["containers"]
+    return workload, container
+
+
+def redis_options(container: dict) -> dict[str, str]:
+    """redis-server's ``--name value`` arguments, by name."""
+    args = container["args"]
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
+    return {name[2:]: value for name, value in zip(args[::2], args[1::2], strict=True)}
+
+
+def redis_megabytes(value: str) -> float:
+    """A redis-server memory size (``640mb``, ``1gb``) in MiB."""
+    units = {"kb": 2**-10, "mb": 1, "gb": 2**10}
+    return float(value[:-2]) * units[value[-2:].lower()]
+
+
+def redis_args(objects, data: pathlib.Path, **changed: str) -> list[str]:
+    """The Redis container's arguments as they read on this machine: its data
+    directory (on its claimed volume) is ``data``; ``changed`` replaces options
+    (``maxmemory_policy="noeviction"``)."""
+    workload, container = redis_pod(objects)
+    options = redis_options(container)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == options["dir"])
+    assert mount["name"] in [t["metadata"]["name"] for t in workload["spec"]["volumeClaimTemplates"]]
+    options |= {"dir": str(data)} | {k.replace("_", "-"): v for k, v in changed.items()}
+    return [item for name, value in options.items() for item in (f"--{name}", value)]

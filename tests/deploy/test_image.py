@@ -79,6 +79,7 @@ def test_the_final_stages_run_as_a_non_root_user_with_no_compiler():
         stage = kube.stage(name)
         user = kube.inherited(stage, "USER")
         assert user and re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"{name}: USER {user} (numeric, not root)"
+        assert min(map(int, user.split(":"))) > kube.HIGHEST_RESERVED_ID, f"{name}: USER {user}"
         for run in stage.all("RUN"):
             assert not compilers.search(run), f"{name} installs or builds something: {run}"
         for copy in stage.all("COPY"):

@@ -7,6 +7,8 @@ command line and config classes, not against a list kept here."""
 
 from __future__ import annotations
 
+import re
+
 import kubernetes_validate
 import pytest
 import yaml
@@ -44,6 +46,21 @@ def test_every_object_is_valid_for_the_pinned_kubernetes_release(objects):
         validate(obj)
 
 
+def test_every_object_is_in_the_deploy_readmes_table(objects):
+    """deploy/README.md explains each object an overlay makes, and each claim
+    a StatefulSet makes, in its table (a row naming its kind and its name)."""
+    table = (kube.DEPLOY / "README.md").read_text().split("## What each object is for", 1)[1]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| ")]
+    made = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    made += [("PersistentVolumeClaim", f"{t['metadata']['name']}-{o['metadata']['name']}-{i}")
+             for o in kube.of_kind(objects, "StatefulSet") for t in o["spec"].get("volumeClaimTemplates", [])
+             for i in range(o["spec"].get("replicas", 1))]
+    for kind, name in made:
+        if kind == "ConfigMap":
+            name = re.sub(r"-[a-z0-9]{10}$", "", name)  # the generator's hash of the contents
+        assert any(f"`{name}`" in row and kind in row for row in rows), f"deploy/README.md: no row for {kind} {name}"
+
+
 def test_everything_lives_in_the_specdec_namespace(objects):
     (namespace,) = kube.of_kind(objects, "Namespace")
     assert namespace["metadata"]["name"] == kube.NAMESPACE
@@ -72,6 +89,40 @@ def test_every_container_has_probes_resources_and_a_locked_down_security_context
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(container.get("resources", {}).get(kind, {})), f"{what}: {kind}"
         assert_locked_down(workload, container)
+
+
+def pods_and_containers(objects):
+    """(workload, pod spec, container, what) for every container of ``objects`` and of the model loader."""
+    (loader,) = yaml.safe_load_all(MODEL_LOADER.read_text())
+    for workload, container in [*kube.containers(objects), *kube.containers([loader])]:
+        yield (workload, kube.pod_template(workload)["spec"], container,
+               f"{workload['metadata']['name']}/{container['name']}")
+
+
+def test_every_container_runs_as_a_user_and_group_above_10000(objects):
+    """Whatever its image's own user (redis's is 999): the policy scanners' rule."""
+    for _, pod, container, what in pods_and_containers(objects):
+        sc, pod_sc = container.get("securityContext", {}), pod.get("securityContext", {})
+        assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, what
+        for field in ("runAsUser", "runAsGroup"):
+            value = sc.get(field, pod_sc.get(field))
+            assert isinstance(value, int) and value > kube.HIGHEST_RESERVED_ID, f"{what}: {field} {value}"
+
+
+def test_every_volume_a_container_writes_is_writable_by_its_group(objects):
+    """A claimed volume belongs to root until fsGroup gives it to the pod's
+    group (an emptyDir is writable by anyone)."""
+    for workload, pod, container, what in pods_and_containers(objects):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        claimed = {t["metadata"]["name"] for t in workload.get("spec", {}).get("volumeClaimTemplates", [])}
+        for mount in container.get("volumeMounts", []):
+            volume = volumes.get(mount["name"], {})
+            if mount.get("readOnly") or "emptyDir" in volume or not (
+                    "persistentVolumeClaim" in volume or mount["name"] in claimed):
+                continue
+            pod_sc = pod["securityContext"]
+            group = container.get("securityContext", {}).get("runAsGroup", pod_sc.get("runAsGroup"))
+            assert pod_sc.get("fsGroup") == group, f"{what}: {mount['mountPath']} is not its group's"
 
 
 def test_specdec_writes_only_to_an_empty_dir_at_its_home():
@@ -209,6 +260,18 @@ def test_the_coordinator_finds_each_model_service_through_its_service(objects):
         assert service is not None, f"--{role} {getattr(config, role)}: no such Service"
         workload, _, port = kube.service_backend(objects, service, int(address["port"]))
         assert workload is roles[role].workload and port == roles[role].config().port, role
+
+
+def test_the_coordinator_limits_each_client_by_default(objects):
+    """Without per-client limits one client's flood raises everyone's latency:
+    each client gets a bounded share of a coordinator pod."""
+    roles = kube.by_role(objects)
+    config = roles["coordinator"].config()
+    assert config.client_max_streams > 0 and config.client_rate > 0, "per-client limits are off"
+    assert config.client_max_streams * 16 <= config.max_streams, "one client could hold the pod's streams"
+    assert config.client_max_streams * 4 <= roles["target"].config().max_sessions
+    # a burst above the rate, so a client opening its conversations is not held back a second each
+    assert config.client_rate < config.client_burst <= config.client_max_streams
 
 
 def test_the_model_loader_is_valid_and_locked_down():

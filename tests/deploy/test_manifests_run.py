@@ -3,7 +3,8 @@ here as a local process with exactly the command, arguments and environment
 its manifest gives it. Only what a cluster provides is stood in for: each pod's
 ports are free loopback ports, a Service name resolves to the port of the
 container behind it, each volume is a local folder, the collector is an
-in-memory OTLP receiver and Redis a local redis-server. Then, as the kubelet would: wait for each readiness
+in-memory OTLP receiver and Redis a local redis-server with the Redis
+container's own arguments. Then, as the kubelet would: wait for each readiness
 probe (gRPC health on the probe's port), stream a Generate through the
 coordinator's Service, and SIGTERM every process, which must exit within its
 terminationGracePeriodSeconds.
@@ -224,7 +225,9 @@ def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path, components):
     token = give_client_tokens(cluster, roles["coordinator"])
     (collector,) = kube.addresses(roles["coordinator"].env["OTEL_EXPORTER_OTLP_ENDPOINT"])
     (redis,) = kube.addresses(roles["coordinator"].env["SPECDEC_COORDINATOR_REDIS"])
-    directory = RedisServer(tmp_path / "redis", port=local_port(cluster, redis)).start()
+    # redis-server with the manifest's own arguments (the append-only file, the memory policy)
+    directory = RedisServer(tmp_path / "redis", port=local_port(cluster, redis),
+                            args=kube.redis_args(objects, tmp_path / "redis")).start()
     with OtlpReceiver(port=local_port(cluster, collector)) as otlp, _stopped(directory):
         processes = {role: cluster.start(sc) for role, sc in roles.items()}  # all at once
         try:

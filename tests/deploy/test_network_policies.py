@@ -88,7 +88,7 @@ def test_only_the_collector_receives_telemetry(objects):
 
 
 def test_only_the_coordinators_reach_redis(objects):
-    redis = kube.named(objects, "Deployment", "specdec-redis")
+    redis = kube.named(objects, "StatefulSet", "specdec-redis")
     coordinator = kube.by_role(objects)["coordinator"].workload
     assert allowed(objects, pod(coordinator), redis, "redis")
     others = [w for w in kube.workloads(objects) if w is not coordinator]

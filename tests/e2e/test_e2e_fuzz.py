@@ -1,18 +1,23 @@
-"""Arbitrary and malformed requests to every RPC of every service (hypothesis):
-each is answered with a proper status, never UNKNOWN or INTERNAL, and the
-services still serve a valid request afterwards."""
+"""Arbitrary and malformed requests to every RPC of every service (hypothesis),
+and to gRPC health and reflection on the service port and on the plaintext
+health port (--health-port): each is answered with a proper status, never
+UNKNOWN or INTERNAL, and the services still serve a valid request afterwards."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 from google.protobuf import descriptor as pd
+from google.protobuf import message_factory
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_e2e import greedy_ref, one_of_each
+from test_e2e import Cluster, coordinator, greedy_ref, model_service
 
 from specdec.proto import specdec_pb2 as pb
 from specdec.serving.client import Client
+from specdec.serving.server import free_port
 
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 SERVICES = {"Coordinator": "C", "DraftService": "D", "TargetService": "T"}
@@ -22,7 +27,18 @@ INTS = {pd.FieldDescriptor.TYPE_INT32: 2**31, pd.FieldDescriptor.TYPE_INT64: 2**
 
 @pytest.fixture(scope="module")
 def stack(models, tmp_path_factory):
-    with one_of_each(models, tmp_path_factory.mktemp("fuzz-logs"), "--call-timeout", "5") as procs:
+    """D + T + C, each also answering health checks on a plaintext health port
+    of its own (``.health_address``), as the manifests run them."""
+    target, draft = models
+    logdir = tmp_path_factory.mktemp("fuzz-logs")
+    health = {name: free_port() for name in SERVICES.values()}
+    with Cluster() as procs:
+        procs["D"] = model_service("draft", "draft", draft, logdir, "--health-port", str(health["D"]))
+        procs["T"] = model_service("target", "target", target, logdir, "--health-port", str(health["T"]))
+        procs["C"] = coordinator("coordinator", procs["D"], procs["T"], target, logdir, "--call-timeout", "5",
+                                 "--health-port", str(health["C"]))
+        for name, proc in procs.items():
+            proc.health_address = f"127.0.0.1:{health[name]}"
         yield procs.ready()
 
 
@@ -47,7 +63,8 @@ def scalar(field: pd.FieldDescriptor) -> st.SearchStrategy:
 
 def message(desc: pd.Descriptor, depth: int = 0) -> st.SearchStrategy:
     """Messages of type ``desc`` with arbitrary values in arbitrary fields."""
-    cls = pb.__dict__.get(desc.name)
+    # specdec's own messages by name; health's and reflection's from their descriptors
+    cls = pb.__dict__.get(desc.name) if desc.file.name == pb.DESCRIPTOR.name else message_factory.GetMessageClass(desc)
     if cls is None or depth > 2:
         return st.just(None)
     fields = {}
@@ -105,6 +122,53 @@ def test_every_rpc_answers_arbitrary_requests_with_a_proper_status(stack, servic
         assert code not in BAD, f"{service}.{method.name} answered {code.name} to {body!r}"
 
     check()
+
+
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+
+
+def call_any(address: str, path: str, method, body: bytes) -> grpc.StatusCode:
+    """One call of any shape with ``body`` as its (first) request; a stream that
+    answered is cancelled after its first reply (health's Watch never ends)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            if method.client_streaming:
+                list(channel.stream_stream(path)(iter([body]), timeout=15))
+            elif method.server_streaming:
+                replies = channel.unary_stream(path)(body, timeout=15)
+                next(replies, None)
+                replies.cancel()
+            else:
+                channel.unary_unary(path)(body, timeout=15)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES.values()))
+def test_health_and_reflection_answer_arbitrary_requests_with_a_proper_status_on_every_port(stack, name):
+    # what each port serves besides the service's own RPCs: the health port, health alone
+    served = {stack[name].address: (HEALTH, REFLECTION), stack[name].health_address: (HEALTH,)}
+    calls = [(address, service, method) for address, services in served.items()
+             for service in services for method in service.methods]
+    bodies = st.one_of(st.binary(max_size=64),
+                       *(message(method.input_type).map(lambda m: m.SerializeToString()) for _, _, method in calls))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(bodies)
+    def check(body):
+        for address, service, method in calls:
+            code = call_any(address, f"/{service.full_name}/{method.name}", method, body)
+            assert code not in BAD, f"{name} {address}: {service.name}.{method.name} answered {code.name} to {body!r}"
+
+    check()
+    for address in served:  # health still answers on both ports
+        stack[name].wait_serving(timeout=10, address=address)
+    garbage = b"\xff\xff"  # no message: a field tag whose varint never ends
+    for address, service, method in calls:
+        code = call_any(address, f"/{service.full_name}/{method.name}", method, garbage)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name} {address}: {method.name} answered {code.name}"
 
 
 def test_the_services_still_serve_afterwards(stack, reference):

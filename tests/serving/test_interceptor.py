@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 
 import grpc
@@ -218,3 +219,102 @@ def test_health_calls_are_counted_but_not_traced(provider):
     errors = metrics.registry.get_sample_value(
         "specdec_rpc_errors_total", {"service": "target", "method": "Check", "code": "NOT_FOUND"})
     assert errors == 1
+
+
+REFLECTION_SERVICES = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+GARBAGE = b"\xff\xff"  # not a protobuf message: a field tag whose varint never ends
+
+
+def _raw_calls_to_health_and_reflection(tokens=None, metadata=None):
+    """Bytes straight onto the wire (no serializer) to gRPC health on the
+    service port and on the plaintext health port, and to each reflection
+    service: (what, port, code, details or replies) for every call, and the
+    (port, service) pairs the server lists by reflection."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from specdec.serving import auth
+
+    listing = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    results = []
+
+    async def check(channel, body):
+        return await channel.unary_unary("/grpc.health.v1.Health/Check")(body, timeout=5)
+
+    async def watch(channel, body):
+        call = channel.unary_stream("/grpc.health.v1.Health/Watch")(body, timeout=5)
+        first = await call.read()
+        call.cancel()
+        return first
+
+    async def reflect(channel, service, bodies):
+        call = channel.stream_stream(f"/{service}/ServerReflectionInfo")(iter(bodies), timeout=5, metadata=metadata)
+        return [reply async for reply in call]
+
+    async def record(what, where, call):
+        try:
+            results.append((what, where, grpc.StatusCode.OK, await call))
+        except grpc.aio.AioRpcError as e:
+            results.append((what, where, e.code(), e.details()))
+
+    async def main():
+        server = GrpcServer(["specdec.v1.TargetService"], tokens=tokens and auth.parse_tokens(tokens))
+        port = server.bind("127.0.0.1", 0)
+        health_port = server.bind_health("127.0.0.1", 0)
+        await server.start()
+        await server.set_serving(True)
+        try:
+            for where, at in (("service port", port), ("health port", health_port)):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{at}") as channel:
+                    await record("Check", where, check(channel, GARBAGE))
+                    await record("Watch", where, watch(channel, GARBAGE))
+                    for service in REFLECTION_SERVICES:
+                        await record(f"{service} listing", where, reflect(channel, service, [listing]))
+                        await record(service, where, reflect(channel, service, [GARBAGE]))
+                        if results[-2][2] == grpc.StatusCode.OK:  # served here (else refused before a second message)
+                            await record(f"{service} after a valid request", where,
+                                         reflect(channel, service, [listing, GARBAGE]))
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    served = set()
+    for what, where, code, replies in results:
+        if what.endswith(" listing") and code == grpc.StatusCode.OK:
+            served |= {(where, s.name) for s in reflection_pb2.ServerReflectionResponse.FromString(
+                replies[0]).list_services_response.service}
+    return results, served
+
+
+def test_malformed_bodies_to_health_and_reflection_are_invalid_argument_on_every_port(caplog):
+    """As every specdec RPC: a body that does not parse is INVALID_ARGUMENT with
+    a short message, logged without a traceback, never grpc's UNKNOWN."""
+    caplog.set_level("INFO")
+    results, served = _raw_calls_to_health_and_reflection()
+    assert ("service port", "grpc.reflection.v1alpha.ServerReflection") in served
+    assert ("grpc.reflection.v1alpha.ServerReflection after a valid request", "service port") in {
+        (what, where) for what, where, *_ in results}
+    for what, where, code, details in results:
+        service = what.split(" ")[0]
+        if what.endswith(" listing"):
+            assert code == (grpc.StatusCode.OK if (where, service) in served else grpc.StatusCode.UNIMPLEMENTED)
+        elif service in REFLECTION_SERVICES and (where, service) not in served:
+            assert code == grpc.StatusCode.UNIMPLEMENTED, (what, where, code, details)  # not served there
+        else:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, where, code, details)
+            assert "not a valid message" in details and len(details) < 200, details
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+    assert "Traceback" not in caplog.text
+
+
+def test_reflection_behind_tokens_checks_the_token_then_the_body(caplog):
+    token = "a-token-of-the-test-client"
+
+    def garbage_answer(metadata) -> grpc.StatusCode:
+        results, _ = _raw_calls_to_health_and_reflection(f"alice:{token}", metadata)
+        (code,) = [code for what, where, code, _ in results
+                   if what == "grpc.reflection.v1alpha.ServerReflection" and where == "service port"]
+        return code
+
+    assert garbage_answer((("authorization", f"Bearer {token}"),)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert garbage_answer(None) == grpc.StatusCode.UNAUTHENTICATED
+    assert "Traceback" not in caplog.text
