@@ -10,7 +10,8 @@ target service and streams completions to clients.
 * :mod:`specdec.coordinator.turn` — one turn on one session: rounds, commit or roll back, stats;
 * :mod:`specdec.coordinator.remote` — gRPC clients of the two services shaped as the
   round loop's Proposer / Verifier (deadlines, round ids, re-pre-fill on eviction);
-* :mod:`specdec.coordinator.directory` — the session directory (in memory);
+* :mod:`specdec.coordinator.directory` — the session directory (in memory), and each
+  client's count of named sessions (``--client-max-sessions``);
 * :mod:`specdec.coordinator.service` / :mod:`specdec.coordinator.server` — the gRPC servicer and
   the ``specdec coordinator`` process.
 """

@@ -33,8 +33,13 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from specdec.coordinator.leases import SessionLeases
+from specdec.serving import errors
 
 log = logging.getLogger("specdec.coordinator")
+
+# When a client refused a new session for --client-max-sessions may try again: a
+# slot frees when it closes a session, or one of its sessions idles out.
+SESSION_CAP_RETRY_S = 60.0
 
 
 @dataclasses.dataclass
@@ -67,6 +72,9 @@ class SessionRecord:
     session_id: str
     tokens: list[int] = dataclasses.field(default_factory=list)  # committed history
     owner: str = ""  # the client that created it, when the coordinator authenticates clients
+    # Who the session counts against under --client-max-sessions: its creator's
+    # token name, or without authentication its address ("": not counted).
+    client: str = ""
     # The replicas the session is pinned to (their addresses) and the prefix of
     # ``tokens`` each is known to hold.
     draft_replica: str = ""
@@ -132,7 +140,9 @@ class SessionDirectory(Protocol):
 
     async def put(self, record: SessionRecord, lease: Lease | None, keep_deltas: bool = False) -> None:
         """Create or replace the record, its last turn included (``keep_deltas``:
-        but not the turn's deltas, which are stored already, all of them)."""
+        but not the turn's deltas, which are stored already, all of them).
+        ResourceExhausted, nothing written, if it would create a session past
+        the cap of ``record.client`` (:func:`over_cap`)."""
 
     async def add_delta(self, record: SessionRecord, lease: Lease | None) -> None:
         """Append the last of ``record.turn.deltas`` to the stored turn (after
@@ -147,8 +157,14 @@ class SessionDirectory(Protocol):
         lease``): yields its lease, or None if the request was cancelled before
         it got it. FailedPrecondition when another request keeps it past ``wait_s``."""
 
+    async def check_cap(self, session_id: str, client: str) -> None:
+        """ResourceExhausted (:func:`over_cap`) if ``session_id`` is a new session
+        and ``client`` holds its cap already. Asked before the session's lease,
+        so that most refusals hold up and leave nothing; the write that would
+        create the session checks again (:meth:`put`), atomically."""
+
     async def check(self) -> None:
-        """Raise Unavailable if the directory cannot be reached now."""
+        """Raise Unavailable if the directory cannot be reached, or written, now."""
 
     async def close(self) -> None: ...
 
@@ -159,14 +175,17 @@ class InMemoryDirectory:
     with the store — the same semantics a networked store has. At most
     ``max_records`` are kept; beyond that the least recently written is dropped
     (a client that never closes its sessions cannot grow the coordinator
-    without bound).
+    without bound), and at most ``max_per_client`` (0: any number) count
+    against one client (:attr:`SessionRecord.client`): creating one more is
+    refused (:func:`over_cap`).
 
     The methods are coroutines only to match :class:`SessionDirectory`: none of
     them awaits anything, so on the one event loop each runs whole, and the
     dicts need no lock."""
 
-    def __init__(self, max_records: int = 100_000) -> None:
-        self.max_records = max_records
+    def __init__(self, max_records: int = 100_000, max_per_client: int = 0) -> None:
+        self.max_records, self.max_per_client = max_records, max_per_client
+        self._by_client: dict[str, set[str]] = {}  # client -> its stored sessions' ids
         # session id -> [session dict, turn dict | None]
         self._records: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._leases = SessionLeases()
@@ -191,10 +210,12 @@ class InMemoryDirectory:
             parts[1]["deltas"] = stored["deltas"] if stored is not None else _copy(turn.deltas)
         else:
             parts = [record.session_dict(), record.turn_dict()]
+        self._count(record)
         self._records[record.session_id] = parts
         self._records.move_to_end(record.session_id)
         while len(self._records) > self.max_records:
-            dropped, _ = self._records.popitem(last=False)
+            dropped, (session, _) = self._records.popitem(last=False)
+            self._uncount(session.get("client", ""), dropped)
             log.info("session directory full (%d): forgot least recently used session %s",
                      self.max_records, dropped)
 
@@ -208,13 +229,44 @@ class InMemoryDirectory:
         await self.put(record, lease)  # forgotten meanwhile (the directory was full), or out of step
 
     async def delete(self, session_id: str, lease: Lease | None = None) -> bool:
-        return self._records.pop(session_id, None) is not None
+        parts = self._records.pop(session_id, None)
+        if parts is not None:
+            self._uncount(parts[0].get("client", ""), session_id)
+        return parts is not None
+
+    def _count(self, record: SessionRecord) -> None:
+        """Count the session against its client, before it is stored;
+        ResourceExhausted if it is new and its client holds its cap already."""
+        stored = self._records.get(record.session_id)
+        before = stored[0].get("client", "") if stored is not None else ""
+        if record.client == before:
+            return
+        if stored is None and 0 < self.max_per_client <= self.sessions_of(record.client):
+            raise over_cap(record.client, self.max_per_client)
+        self._uncount(before, record.session_id)
+        if record.client:
+            self._by_client.setdefault(record.client, set()).add(record.session_id)
+
+    def _uncount(self, client: str, session_id: str) -> None:
+        held = self._by_client.get(client)
+        if held is not None:
+            held.discard(session_id)
+            if not held:
+                del self._by_client[client]
+
+    def sessions_of(self, client: str) -> int:
+        """How many stored sessions count against ``client``."""
+        return len(self._by_client.get(client, ()))
 
     @contextlib.asynccontextmanager
     async def hold(self, session_id: str, cancelled: asyncio.Event | None = None,
                    wait_s: float | None = None) -> AsyncIterator[Lease | None]:
         async with self._leases.hold(session_id, cancelled) as held:
             yield Lease(session_id) if held else None
+
+    async def check_cap(self, session_id: str, client: str) -> None:
+        if session_id and session_id not in self._records and 0 < self.max_per_client <= self.sessions_of(client):
+            raise over_cap(client, self.max_per_client)
 
     async def check(self) -> None:
         pass
@@ -224,6 +276,15 @@ class InMemoryDirectory:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+def over_cap(client: str, cap: int) -> errors.ResourceExhausted:
+    """The refusal of a new session to a client holding ``cap`` (--client-max-sessions)."""
+    return errors.ResourceExhausted(
+        f"client {client!r} has reached its limit of {cap} named sessions (--client-max-sessions {cap}): close "
+        "one it no longer needs (CloseSession), or wait for an idle one to expire, then retry; its sessions can "
+        "still be continued",
+        retry_after_s=SESSION_CAP_RETRY_S)
 
 
 def _copy(value):

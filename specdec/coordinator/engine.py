@@ -118,11 +118,14 @@ class Coordinator:
         waits for this one to end."""
         cancelled = cancelled or asyncio.Event()
         started = time.perf_counter()
+        self.checks.check_sizes(job)  # a request's sizes first, before any service is asked anything
         checked = await self.pair(wait_s=REPLICA_WAIT_S)
         request = await self._validate(job, checked)
         client = auth.current_client()
         if client and job.session_id:
             await self._check_owner(job.session_id, client)
+        caller = auth.current_caller()  # who a new session counts against (--client-max-sessions)
+        await self.directory.check_cap(job.session_id, caller)  # before the lease: most refusals leave nothing
         # A resumed turn takes over from a coordinator that may have died
         # holding the session: its lease runs out within the lease time.
         wait_s = None if job.resume_after is None else self.config.lease_s + 1.0
@@ -131,6 +134,7 @@ class Coordinator:
                 return
             record = await open_record(self.directory, job.session_id)
             claim(record, client)  # again, under the lease
+            record.client = record.client or caller  # checked again when the record is first written
             async with self._pinned(record, request) as services:
                 pair = await self.pairs.get(*services.clients())
                 if pair != checked:  # these replicas serve other limits (a pool mid-upgrade): check again
@@ -307,10 +311,11 @@ def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:
     """``--redis URL``: the directory every coordinator given that URL shares;
     otherwise one in this process's memory."""
     if not config.redis:
-        return InMemoryDirectory(config.max_sessions)
+        return InMemoryDirectory(config.max_sessions, config.client_max_sessions)
     from specdec.coordinator.redis_directory import RedisDirectory
 
-    return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s, metrics=metrics)
+    return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s, metrics=metrics,
+                          max_per_client=config.client_max_sessions, outage_s=config.directory_outage_s)
 
 
 def _info(request: Request, pair: PairInfo, turn: Turn) -> GenerationInfo:

@@ -131,7 +131,9 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
 
 
 async def directory_reachable(directory, quiet: bool = False) -> bool:
-    """Whether the session directory answers now (logged when it does not, unless ``quiet``)."""
+    """Whether the session directory takes writes now (logged when it does not,
+    unless ``quiet``): its check writes (Redis: a key of its own, short-lived), so
+    a Redis that answers PING but refuses writes (full, under ``noeviction``) fails it."""
     try:
         await directory.check()
         return True
@@ -142,9 +144,10 @@ async def directory_reachable(directory, quiet: bool = False) -> bool:
 
 
 async def watch_directory(server: GrpcServer, directory, every_s: float = 1.0) -> None:
-    """Health NOT_SERVING while the shared session directory cannot be reached
-    (a load balancer then sends new work to other coordinators), SERVING again
-    when it can."""
+    """Health NOT_SERVING while the shared session directory cannot be reached or
+    written (a load balancer then sends new work to other coordinators; the
+    turns in flight wait for it, see ``--directory-outage``), SERVING again when
+    it takes writes."""
     reachable = server.serving
     while True:
         await asyncio.sleep(every_s)

@@ -48,16 +48,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         job = conv.job_from_proto(request)
         stream = self.admission.admit(request.ByteSize())
+        caller = auth.current_client() or _peer_host(context.peer())  # what per-client limits count
         try:
-            client = self.limits.admit(auth.current_client() or _peer_host(context.peer())) if self.limits.active \
-                else (lambda: None)
+            client = self.limits.admit(caller) if self.limits.active else (lambda: None)
         except BaseException:
             stream()
             raise
         task = asyncio.current_task()
         self.turns.add(task)
         try:
-            async for event in self._generate(job):
+            async for event in self._generate(job, caller):
                 if isinstance(event, GenerationStats):  # the turn is complete: its client may send the next at once
                     stream()
                     client()
@@ -67,7 +67,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             stream()
             client()
 
-    async def _generate(self, job):
+    async def _generate(self, job, caller: str):
         loop = asyncio.get_running_loop()
         streamed, stats_sent = 0, False
         # Every step of the turn runs in one context of its own (each a task in
@@ -75,6 +75,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # finalises it from another task: the turn's spans are attached and
         # detached in the same context.
         context = contextvars.copy_context()
+        context.run(auth.enter_peer, caller)  # the turn's own context: what its new session counts against
         events = self.engine.generate(job)
         step: asyncio.Task | None = None
         try:

@@ -40,6 +40,23 @@ def current_client() -> str:
     return _client.get()
 
 
+# The address of the call being handled, less its port, where a servicer sets it.
+_peer: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_peer", default="")
+
+
+def current_caller() -> str:
+    """Who the call being handled counts against for per-client limits: its
+    client's name, or without authentication its address (see :func:`enter_peer`;
+    "" where neither is known)."""
+    return _client.get() or _peer.get()
+
+
+def enter_peer(host: str) -> None:
+    """Make ``host`` (the caller's address, less its port) the current context's
+    caller (the coordinator runs each turn in a context of its own)."""
+    _peer.set(host)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tokens:
     """The clients that may call, by the SHA-256 of their token."""

@@ -289,6 +289,14 @@ class CoordinatorConfig(BaseServiceConfig):
         0, ge=0, description="streams one client may have open at once (its token's name, or its address "
         "without --auth-tokens); more are refused RESOURCE_EXHAUSTED with retry-after; 0: no limit",
         json_schema_extra={"metavar": "N", **ROLE_ONLY})
+    client_max_sessions: int = Field(
+        1000, ge=0, description="named sessions one client may hold at once (its token's name, or its address "
+        "without --auth-tokens), across every coordinator sharing --redis; a Generate starting one more is refused "
+        "RESOURCE_EXHAUSTED until the client closes one (CloseSession) or one idles out (--redis-ttl); continuing "
+        "a session never is. 1000: far more than one user's conversations, while a hundred clients at the cap "
+        "still fit the in-memory --max-sessions; raise it for a gateway serving many users under one token, or "
+        "many users behind one address; 0: no limit",
+        json_schema_extra={"metavar": "N", **ROLE_ONLY})
     client_rate: float = Field(
         0.0, ge=0, description="requests per second one client may start on average; beyond, RESOURCE_EXHAUSTED "
         "with retry-after; 0: no limit", json_schema_extra={"metavar": "PER_SECOND", **ROLE_ONLY})
@@ -317,6 +325,12 @@ class CoordinatorConfig(BaseServiceConfig):
         5.0, gt=0, description="with --redis: how long a session stays leased to a coordinator that stopped "
         "renewing it (died); a resumed turn waits up to this long to take the session over",
         json_schema_extra={"flag": "--lease", "metavar": "SECONDS"})
+    directory_outage_s: float = Field(
+        30.0, ge=0, description="with --redis: how long, beyond --lease, a turn in flight rides out a session "
+        "directory that cannot be written (Redis restarting, stalled or full): its stream pauses while the "
+        "writes are retried, then goes on; past it, UNAVAILABLE with a retry-after hint (the turn resumable on "
+        "any coordinator sharing the directory)",
+        json_schema_extra={"flag": "--directory-outage", "metavar": "SECONDS"})
 
     @field_validator("draft", "target")
     @classmethod

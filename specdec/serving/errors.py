@@ -25,8 +25,9 @@ anything else               INTERNAL (logged with its traceback)
 
 On the client side :func:`from_rpc_error` maps a status back to these types, so
 the coordinator can write ``except SessionNotFound:`` around a service call.
-A RESOURCE_EXHAUSTED status may carry ``retry-after`` trailing metadata: the
-seconds to wait before trying again (:attr:`ResourceExhausted.retry_after_s`).
+A RESOURCE_EXHAUSTED or UNAVAILABLE status may carry ``retry-after`` trailing
+metadata: the seconds to wait before trying again (``retry_after_s`` of
+:class:`ResourceExhausted` and :class:`Unavailable`).
 """
 
 from __future__ import annotations
@@ -103,9 +104,16 @@ class PermissionDenied(SpecdecError):
 
 
 class Unavailable(SpecdecError):
-    """Try again later or elsewhere (e.g. the model is still loading)."""
+    """Try again later or elsewhere (e.g. the model is still loading).
+    ``retry_after_s``, when set, is sent as ``retry-after`` trailing metadata:
+    the server says the call is worth trying again after that long (a turn cut
+    short by a session-directory outage, resumable once it is over)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Draining(Unavailable):
@@ -186,12 +194,13 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     out = cls(details or code.name)
     if cls is SpecdecError:
         out.code = code
-    if cls is ResourceExhausted:
-        out.retry_after_s = _retry_after(err)
+    if cls in (ResourceExhausted, Unavailable):
+        out.retry_after_s = retry_after(err)
     return out
 
 
-def _retry_after(err: grpc.RpcError) -> float | None:
+def retry_after(err: grpc.RpcError) -> float | None:
+    """Client side: the ``retry-after`` hint of a failed call, in seconds (None: none)."""
     try:
         metadata = err.trailing_metadata() or ()
         return next((float(value) for key, value in metadata if key == RETRY_AFTER_KEY), None)

@@ -35,6 +35,7 @@ from opentelemetry.trace import Status, StatusCode
 from specdec.serving import auth
 from specdec.serving.errors import InvalidRequest, PermissionDenied, SpecdecError, status_for, trailing_metadata
 from specdec.serving.memory import after_refused
+from specdec.serving.names import hidden_in
 from specdec.serving.tls import peer_identities
 from specdec.telemetry import tracing
 from specdec.telemetry.metrics import RpcMetrics, ServiceMetrics
@@ -248,9 +249,10 @@ class _Call:
             code, message = status_for(exc)
         else:  # cancelled by the client (CancelledError), or shutdown
             code = grpc.StatusCode.CANCELLED
+        session_id = getattr(request, "session_id", "") if isinstance(getattr(request, "session_id", ""), str) else ""
         if self.span.is_recording():
             self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-            self.span.set_status(Status(StatusCode.ERROR, f"{code.name}: {exc}"))
+            self.span.set_status(Status(StatusCode.ERROR, hidden_in(f"{code.name}: {exc}", session_id)))
             if code == grpc.StatusCode.INTERNAL:  # a bug, not a bad request: keep the traceback
                 self.span.record_exception(exc)
         self._count(code.name)
@@ -258,7 +260,7 @@ class _Call:
             if code == grpc.StatusCode.INTERNAL:
                 log.error("%s failed: %s", self.full_method, message, exc_info=exc)
             else:
-                log.info("%s -> %s: %s", self.full_method, code.name, message)
+                log.info("%s -> %s: %s", self.full_method, code.name, hidden_in(message, session_id))
             await context.abort(code, message, trailing_metadata=trailing_metadata(exc))
 
     def _count(self, code: str | None) -> None:

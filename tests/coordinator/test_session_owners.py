@@ -126,3 +126,23 @@ def test_both_directories_tell_a_sessions_owner_while_another_request_holds_it(k
     finally:
         if redis is not None:
             redis.stop()
+
+
+def test_a_refused_requests_log_line_names_no_session(coordinator, caplog):
+    """Refusals are logged at INFO, with the session's name replaced by a short
+    hash of it: another client's refused calls do not spell the session's name
+    into the logs (nor into the spans)."""
+    import hashlib
+    import logging
+
+    session_id = "alice-private-conversation-42"
+    with Client(coordinator, timeout=30, token=ALICE) as alice:
+        alice.complete(prompt_ids=[33], max_new_tokens=2, session_id=session_id)
+    caplog.set_level(logging.INFO)
+    with Client(coordinator, timeout=30, token=BOB) as bob:
+        with pytest.raises(errors.PermissionDenied, match=session_id):  # the caller is told which session
+            bob.close_session(session_id)
+    refusals = [r.getMessage() for r in caplog.records if "PERMISSION_DENIED" in r.getMessage()]
+    assert refusals, caplog.text
+    assert session_id not in caplog.text
+    assert f"session#{hashlib.sha256(session_id.encode()).hexdigest()[:8]}" in refusals[0]
