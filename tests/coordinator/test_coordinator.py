@@ -562,6 +562,10 @@ def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
 
     from specdec.coordinator.service import CoordinatorServicer
 
+    class PeerOnly:  # the grpc context, as far as the servicer reads it
+        def peer(self):
+            return "ipv4:127.0.0.1:50000"
+
     class SlowEngine:
         async def generate(self, job):
             yield Delta([1], "a")
@@ -574,7 +578,7 @@ def test_the_drain_grace_ends_open_turns_but_not_a_finished_one():
         got = []
         try:
             async for message in servicer.Generate(pb.GenerateRequest(prompt_ids=[1], max_new_tokens=max_new_tokens),
-                                                   None):
+                                                   PeerOnly()):
                 got.append(message.WhichOneof("kind"))
                 if len(got) == 1:
                     await servicer.shutting_down(0.4)  # streams end from 0.2 s on
