@@ -1,9 +1,13 @@
+import os
 import pathlib
 import sys
 
 import pytest
 import torch
 
+# The coordinators this suite starts, in this process and as processes of their own,
+# serve no HTTP API unless a test gives them a port: they would all take 8000.
+os.environ.setdefault("SPECDEC_COORDINATOR_HTTP_PORT", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from transformers.utils import logging as hf_logging  # noqa: E402

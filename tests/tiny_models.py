@@ -85,6 +85,18 @@ def add_byte_tokenizer(model_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(model_dir)
 
 
+def add_chat_template(model_dir: pathlib.Path, template: str) -> pathlib.Path:
+    """Give a model directory's tokenizer a chat template (Jinja, in its
+    tokenizer_config.json, where transformers reads it)."""
+    import json
+
+    path = pathlib.Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return pathlib.Path(model_dir)
+
+
 def add_word_tokenizer(model_dir: pathlib.Path, size: int) -> pathlib.Path:
     """Give a model directory a tokenizer of ``size`` words, ``w0`` .. ``w{size-1}``
     (whitespace-separated): models whose vocabularies are padded past it share

@@ -130,7 +130,7 @@ class ClientLimits:
         return bool(self.max_streams or self.rate)
 
     def admit(self, client: str) -> Callable[[], None]:
-        """Take one of ``client``'s streams; ResourceExhausted, with when to
+        """Take one of ``client``'s streams; ClientLimitExceeded, with when to
         retry, if it is at a limit. Returns the stream's release (call it once
         or more: it counts once)."""
         if not self.active:
@@ -153,7 +153,7 @@ class ClientLimits:
             self._clients[client] = state  # most recent last
             self._forget_idle()
             if self.max_streams and state.streams >= self.max_streams:
-                raise errors.ResourceExhausted(
+                raise errors.ClientLimitExceeded(
                     f"client {client!r} has {state.streams} streams open, its limit (--client-max-streams "
                     f"{self.max_streams}): retry when one ends", retry_after_s=1.0)
             if self.rate:
@@ -161,7 +161,7 @@ class ClientLimits:
                 state.at = now
                 if state.tokens < 1.0:
                     wait = (1.0 - state.tokens) / self.rate
-                    raise errors.ResourceExhausted(
+                    raise errors.ClientLimitExceeded(
                         f"client {client!r} is past its request rate (--client-rate {self.rate:g}/s, burst "
                         f"{self.burst:g}): retry in {wait:.1f} s", retry_after_s=wait)
                 state.tokens -= 1.0

@@ -278,9 +278,9 @@ class InMemoryDirectory:
         return len(self._records)
 
 
-def over_cap(client: str, cap: int) -> errors.ResourceExhausted:
+def over_cap(client: str, cap: int) -> errors.ClientLimitExceeded:
     """The refusal of a new session to a client holding ``cap`` (--client-max-sessions)."""
-    return errors.ResourceExhausted(
+    return errors.ClientLimitExceeded(
         f"client {client!r} has reached its limit of {cap} named sessions (--client-max-sessions {cap}): close "
         "one it no longer needs (CloseSession), or wait for an idle one to expire, then retry; its sessions can "
         "still be continued",

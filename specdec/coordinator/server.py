@@ -1,9 +1,12 @@
-"""``specdec coordinator``: the client-facing service (default port 50051).
+"""``specdec coordinator``: the client-facing service (default port 50051), and
+its OpenAI-compatible HTTP API (``--http-port``, default 8000; 0: off).
 
-    specdec coordinator --draft HOST:PORT --target HOST:PORT [--port 50051] [--tokenizer DIR]
+    specdec coordinator --draft HOST:PORT --target HOST:PORT [--port 50051] [--http-port 8000] [--tokenizer DIR]
 
 It holds no model: it drives rounds between a draft service and a target service
-and keeps each session's token history. Every flag falls back to an environment
+and keeps each session's token history. The gRPC server and the HTTP server
+run on one event loop and share one :class:`ClientStreams` (limits, drain),
+one set of tokens and the TLS settings. Every flag falls back to an environment
 variable (``SPECDEC_COORDINATOR_PORT``, ``SPECDEC_COORDINATOR_DRAFT`` ...; see
 ``--help``), then to a default.
 """
@@ -15,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 
+from specdec.coordinator.http_server import HttpServer
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.config import CoordinatorConfig, add_flags
@@ -46,14 +50,24 @@ class RunningCoordinator:
     servicer: object = None
     watcher: asyncio.Task | None = None  # the directory's reachability -> health
     checking: asyncio.Task | None = None  # the first check of the model pair
+    http: HttpServer | None = None  # the OpenAI-compatible API (--http-port)
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
+    @property
+    def servers(self) -> list:
+        """What SIGTERM drains: the gRPC server, and the HTTP server if it runs."""
+        return [self.server] + ([self.http] if self.http is not None else [])
 
     async def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
-            await self.server.stop()
+            await asyncio.gather(*(server.stop() for server in self.servers))
         else:
             if self.servicer is not None:
                 await self.servicer.shutting_down(grace_s)
-            await self.server.drain(grace_s)
+            await asyncio.gather(*(server.drain(grace_s) for server in self.servers))
         await self.finish_work()
         if self.telemetry is not None:
             self.telemetry.close()
@@ -63,7 +77,8 @@ class RunningCoordinator:
         info timeout to end their sessions in both services, then close the
         channels."""
         await asyncio.sleep(0.05)  # the cancelled calls' handlers start their cleanups on this loop
-        pending = set(self.servicer.turns) | set(self.servicer.closing) if self.servicer is not None else set()
+        streams = self.servicer.streams if self.servicer is not None else None
+        pending = set(streams.turns) | set(streams.closing) if streams is not None else set()
         if pending:
             _, late = await asyncio.wait(pending, timeout=self.engine.config.info_timeout_s)
             if late:
@@ -83,6 +98,7 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     from specdec.coordinator.admission import ClientLimits, StreamLimits
     from specdec.coordinator.engine import Coordinator
     from specdec.coordinator.service import CoordinatorServicer
+    from specdec.coordinator.streams import ClientStreams
     from specdec.coordinator.tokenizer_source import TokenizerSource
     from specdec.serving.auth import parse_tokens
 
@@ -99,20 +115,33 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
         raise
     # A dns:/// pool's first lookup, before the first request needs its replicas.
     await asyncio.gather(*(pool.resolve_now() for pool in engine.pools.values()))
-    tokens = parse_tokens(config.auth_tokens, config.auth_tokens_file)
+    tokens = parse_tokens(config.auth_tokens, config.auth_tokens_file)  # once, for both servers
     server = GrpcServer([COORDINATOR_SERVICE], max_message_bytes=config.max_message_bytes,
                         metrics=telemetry.metrics if telemetry else None, tokens=tokens,
                         reflection=config.reflection, tls=config.server_tls, peers=config.peer_identities)
     limits = ClientLimits(config.client_max_streams, config.client_rate, config.client_burst)
     streams = StreamLimits(config.max_streams, config.max_stream_memory_mb << 20)
-    servicer = CoordinatorServicer(engine, streams=streams, limits=limits)
+    clients = ClientStreams(engine, streams, limits)  # one for both servers: their streams count together
+    servicer = CoordinatorServicer(engine, clients=clients)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
+    http = make_http_server(config, engine, clients, server, tokens, telemetry) if config.http_port else None
     try:
         port = await bind_or_close(server, config, telemetry)
     except OSError:
         await engine.close()
         raise
+    if http is not None:
+        try:
+            http.bind()  # a busy port fails here, as the gRPC port does above
+        except OSError:
+            await server.stop()
+            await engine.close()
+            if telemetry is not None:
+                telemetry.close()
+            raise
     await server.start()
+    if http is not None:
+        await http.start()
     await server.set_serving(await directory_reachable(engine.directory))
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
              "sessions %s, %s)", config.host, port, config.draft, config.target,
@@ -127,7 +156,19 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
     checking = asyncio.create_task(engine.pair())
     checking.add_done_callback(checked)
     watcher = asyncio.create_task(watch_directory(server, engine.directory)) if config.redis else None
-    return RunningCoordinator(server, engine, port, telemetry, servicer, watcher, checking)
+    return RunningCoordinator(server, engine, port, telemetry, servicer, watcher, checking, http)
+
+
+def make_http_server(config: CoordinatorConfig, engine, clients, server: GrpcServer, tokens,
+                     telemetry: ServiceTelemetry | None) -> HttpServer:
+    """The OpenAI-compatible API on ``--http-port``: the gRPC server's tokens,
+    streams, limits and TLS; healthy while the gRPC server is SERVING."""
+    from specdec.coordinator.openai_api import OpenAIApi, make_app
+
+    api = OpenAIApi(engine, clients, config, serving=lambda: server.serving and not server.draining)
+    app = make_app(api, max_body_bytes=config.max_message_bytes, tokens=tokens,
+                   metrics=telemetry.metrics if telemetry else None)
+    return HttpServer(app, config.host, config.http_port, tls=config.server_tls, peers=config.peer_identities)
 
 
 async def directory_reachable(directory, quiet: bool = False) -> bool:
@@ -168,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         coordinator = await start_coordinator(config, telemetry)
         freeze_startup_objects("coordinator")
         try:
-            await serve_until_signal(coordinator.server, config.drain_grace_s,
+            await serve_until_signal(coordinator.servers, config.drain_grace_s,
                                      before_drain=coordinator.servicer.shutting_down)
         finally:
             await coordinator.finish_work()

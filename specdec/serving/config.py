@@ -237,6 +237,16 @@ class CoordinatorConfig(BaseServiceConfig):
     target: str = Field("localhost:50053", description="target service replicas, as --draft",
                         json_schema_extra={"metavar": "ADDRESSES", **ROLE_ONLY})
     port: int = Field(50051, ge=0, le=65535, description=PORT_HELP, json_schema_extra=ROLE_ONLY)
+    http_port: int = Field(
+        8000, ge=0, le=65535, description="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health) on this port, on --host, with the same tokens, limits and "
+        "TLS as the gRPC port (0: off)", json_schema_extra={"metavar": "PORT", **ROLE_ONLY})
+    served_model_name: str = Field(
+        "", description="the model name the HTTP API serves: what requests' 'model' must say and /v1/models "
+        "lists (default: the target service's model name)", json_schema_extra={"metavar": "NAME", **ROLE_ONLY})
+    chat_template: str = Field(
+        "", description="a Jinja chat template file for /v1/chat/completions, in place of the tokenizer's own "
+        "(needed for a tokenizer that has none)", json_schema_extra={"metavar": "FILE", **ROLE_ONLY})
     tokenizer: str | None = Field(
         None, description="tokenizer directory for text prompts, text deltas and stop strings (default: the "
         "target service's own, fetched from it); 'none', or a target without one: only prompt_ids work",
@@ -352,6 +362,22 @@ class CoordinatorConfig(BaseServiceConfig):
                     {"--upstream-cert": ("--upstream-key", "--upstream-ca"), "--upstream-key": ("--upstream-cert",),
                      "--upstream-server-name": ("--upstream-ca",)}, names=("--upstream-server-name",))
         return self
+
+    @model_validator(mode="after")
+    def _http_port_of_its_own(self):
+        others = {"--port": self.port, "--metrics-port": self.metrics_port, "--health-port": self.health_port}
+        clash = [flag for flag, port in others.items() if self.http_port and port == self.http_port]
+        if clash:
+            raise ValueError(f"--http-port and {' and '.join(clash)} are both {self.http_port}: the HTTP API "
+                             "needs a port of its own")
+        return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_file(cls, value: str) -> str:
+        if value and not pathlib.Path(value).is_file():
+            raise ValueError("must be an existing file")
+        return value
 
     @model_validator(mode="after")
     def _tokens_parse(self):

@@ -14,6 +14,7 @@ SessionNotFound             NOT_FOUND
 PositionMismatch            FAILED_PRECONDITION
 FailedPrecondition          FAILED_PRECONDITION
 ResourceExhausted           RESOURCE_EXHAUSTED
+ClientLimitExceeded         RESOURCE_EXHAUSTED
 MemoryError (a KV pool's)   RESOURCE_EXHAUSTED
 Unauthenticated             UNAUTHENTICATED
 PermissionDenied            PERMISSION_DENIED
@@ -89,6 +90,13 @@ class ResourceExhausted(SpecdecError):
     def __init__(self, message: str = "", retry_after_s: float | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ClientLimitExceeded(ResourceExhausted):
+    """One client is at one of its own limits (its streams at once, its request
+    rate, its named sessions); the coordinator has room for the others. Over gRPC
+    a RESOURCE_EXHAUSTED like any other; the HTTP API answers it 429, where a
+    coordinator-wide refusal (its streams, a target's KV budget) is 503."""
 
 
 class Unauthenticated(SpecdecError):

@@ -254,7 +254,8 @@ async def serve_until_signal(
     before_drain: Callable[[float], Awaitable] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until ``stop`` completes), then drain every
-    server (in parallel) and return. ``before_drain(grace_s)``, if given, runs
+    server (in parallel; anything with ``drain(grace_s)``, such as the
+    coordinator's HTTP server, may be one of them) and return. ``before_drain(grace_s)``, if given, runs
     first, and what it takes of the grace is not given to the drain."""
     servers = [servers] if isinstance(servers, GrpcServer) else list(servers)
     waiters = [asyncio.ensure_future(wait_for_signal())]

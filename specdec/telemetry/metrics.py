@@ -119,6 +119,13 @@ class CoordinatorMetrics(RpcMetrics):
             "replica lost it; moved: another replica took it over; turn cut short: its last turn did not finish).",
             ["role", "cause"], registry=r)
 
+        self.http_requests = Counter(
+            "specdec_http_requests", "HTTP API requests answered, by route, method and status code.",
+            ["route", "method", "status"], registry=r)
+        self.http_duration = Histogram(
+            "specdec_http_server_duration_seconds", "Time to answer an HTTP API request (a streamed one: to its "
+            "last chunk), by route and status code.", ["route", "status"], registry=r, buckets=LATENCY_BUCKETS)
+
     def watch_replicas(self, snapshot: Callable[[], Mapping[str, Iterable]]) -> None:
         """Report ``snapshot()`` ({role: [ReplicaStatus]}) at each scrape:
         turns in flight and health of every replica."""
@@ -140,6 +147,11 @@ class CoordinatorMetrics(RpcMetrics):
                 counter = self.num_accepted_per_pos.labels(str(position))
                 if position < accepted:
                     counter.inc()
+
+    def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
+        """An HTTP API request answered (``route``: one of the API's, or "unmatched")."""
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_duration.labels(route, str(status)).observe(seconds)
 
     def observe_call(self, side: str, network_s: float, bytes_out: int, bytes_in: int) -> None:
         self.network.labels(side).observe(network_s)

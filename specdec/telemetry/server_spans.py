@@ -2,6 +2,9 @@
 trace context in the call's metadata, named and attributed as OpenTelemetry's
 gRPC instrumentation names it (``/specdec.v1.TargetService/Verify``, ``rpc.*``,
 ``net.peer.*``), with the reply's ``ServerTiming`` as ``specdec.server.*``.
+The coordinator's HTTP API makes one per request the same way
+(:func:`start_http_span`: ``POST /v1/completions``, ``http.*``), a child of a
+``traceparent`` header.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Mapping
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
 
 from specdec.telemetry import tracing
 
@@ -39,6 +43,34 @@ def start_server_span(full_method: str, metadata, peer: str) -> tuple[trace.Span
     if span.is_recording():  # which caller: several coordinators may share a service
         span.set_attributes(_peer_attributes(peer))
     return span, trace.set_span_in_context(span, parent)
+
+
+def start_http_span(method: str, route: str, headers: Mapping[str, str], client: tuple | None
+                    ) -> tuple[trace.Span, Context | None]:
+    """An HTTP request's SERVER span (named ``METHOD ROUTE``, with OpenTelemetry's
+    HTTP attributes: never the path's query, nor anything of the body), and the
+    context to make current while it is answered; as :func:`start_server_span`
+    for a caller that is not sampled."""
+    parent = propagate.extract(headers) if headers else None
+    caller = trace.get_current_span(parent).get_span_context()
+    if caller.is_valid and not caller.trace_flags.sampled:
+        return trace.INVALID_SPAN, parent
+    attributes = {"http.request.method": method, "http.route": route}
+    if client:
+        attributes.update({"client.address": str(client[0]), "client.port": int(client[1])})
+    span = tracing.tracer().start_span(f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
+                                       attributes=attributes)
+    return span, trace.set_span_in_context(span, parent)
+
+
+def end_http_span(span: trace.Span, status: int) -> None:
+    """The response's status code on the span (an error from 500 on, as
+    OpenTelemetry's HTTP conventions have it for a server), and its end."""
+    if span.is_recording():
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+    span.end()
 
 
 def record_timing(span: trace.Span, timing) -> None:
