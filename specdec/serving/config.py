@@ -286,7 +286,7 @@ class CoordinatorConfig(BaseServiceConfig):
         "RESOURCE_EXHAUSTED at once", json_schema_extra={"metavar": "N"})
     max_stream_memory_mb: int = Field(
         2048, ge=0, description="memory this coordinator's streams may hold, in MiB: each is charged twice its "
-        "request's size and 64 kB; a request past it is refused RESOURCE_EXHAUSTED with a retry-after hint; "
+        "request's size and 96 kB; a request past it is refused RESOURCE_EXHAUSTED with a retry-after hint; "
         "0: no bound", json_schema_extra={"flag": "--max-stream-memory", "metavar": "MIB"})
     redis: str = Field(
         "", description="keep the session directory in Redis (redis://HOST:PORT/DB, rediss:// for TLS, "
