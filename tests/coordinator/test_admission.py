@@ -56,10 +56,10 @@ def test_streams_in_all_are_bounded_in_number_and_in_memory():
         limits.admit(600_000)  # held twice: 1.2 MB, past 1 MiB with the small one's share
     assert exc.value.retry_after_s == 1.0
     assert limits.streams == 1  # a refusal takes nothing
-    big = limits.admit(400_000)
+    big = limits.admit(300_000)
     small()
     small()  # twice counts once
-    assert limits.streams == 1 and limits.bytes == STREAM_BASE_BYTES + REQUEST_COPIES * 400_000
+    assert limits.streams == 1 and limits.bytes == STREAM_BASE_BYTES + REQUEST_COPIES * 300_000
     others = [limits.admit(10) for _ in range(2)]
     with pytest.raises(errors.ResourceExhausted, match="--max-streams 3"):
         limits.admit(10)
