@@ -43,7 +43,8 @@ def start_services(procs) -> tuple[dict[str, int], int]:
     procs.start("target", ["target-service", "--model", str(target_dir), "--port", str(target_port)],
                 core=TARGET_CORE)
     procs.start("coordinator", ["coordinator", "--draft", f"127.0.0.1:{draft_port}", "--target",
-                                f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir)],
+                                f"127.0.0.1:{target_port}", "--port", str(port), "--tokenizer", str(target_dir),
+                                "--http-port", "0"],
                 core=COORDINATOR_CORE)
     return dict(zip(("draft", "target", "coordinator"), (p.pid for p in procs.children), strict=True)), port
 

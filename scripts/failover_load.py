@@ -90,7 +90,7 @@ def main() -> int:
         pools = ["--draft", f"{addresses['D1']},{addresses['D2']}", "--target", f"{addresses['T1']},{addresses['T2']}"]
         for name in ("C1", "C2"):
             procs[name], addresses[name] = start(
-                name, ["coordinator", *pools, "--redis", redis.url, "--lease", "2"], logs)
+                name, ["coordinator", *pools, "--redis", redis.url, "--lease", "2", "--http-port", "0"], logs)
         for address in addresses.values():
             wait_serving(address)
         coordinators = f"{addresses['C1']},{addresses['C2']}"

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static:N | heuristic | adaptive (default adaptive)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--http-port", type=int, default=0, metavar="PORT",
+                   help="also serve the coordinator's OpenAI-compatible HTTP API on http://127.0.0.1:PORT/v1 "
+                        "while the demo runs (default 0: off; the demo's services take free ports and stop "
+                        "when it ends: `specdec serve` keeps them up, on 8000)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if not 0 <= args.http_port <= 65535:
+        raise ValueError(f"--http-port must be a port in [1, 65535], or 0 for none, got {args.http_port}")
     parse_gamma_policy(args.gamma_policy, gamma_max=CoordinatorConfig.model_fields["gamma_max"].default)
     target, draft = model_dirs(args)
     log = pathlib.Path(tempfile.mkdtemp(prefix="specdec-demo-")) / "services.log"
@@ -54,10 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if cpus is not None:  # this process is the client: it works while the target waits, as the coordinator does
         os.sched_setaffinity(0, cpus["coordinator"])
     stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer, devices=devices, log=log,
-                  cpus=cpus)
+                  cpus=cpus, http_port=args.http_port)
     try:
         stack.wait_serving()
-        say(f"serving: coordinator {stack.address('coordinator')}, draft {stack.address('draft')}, "
+        http = f", OpenAI-compatible HTTP API {stack.http_url()} (until the demo ends)" if args.http_port else ""
+        say(f"serving: coordinator {stack.address('coordinator')}{http}, draft {stack.address('draft')}, "
             f"target {stack.address('target')}\n")
         with Client(stack.address("coordinator"), timeout=600) as client:
             request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)

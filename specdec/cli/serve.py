@@ -31,6 +31,7 @@ from specdec.serving.config import (
 )
 
 HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = CoordinatorConfig.model_fields["http_port"].default
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"draft service port (default {DEFAULT_PORTS['draft']})")
     p.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"],
                    help=f"target service port (default {DEFAULT_PORTS['target']})")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, metavar="PORT",
+                   help=f"the coordinator's OpenAI-compatible HTTP API (http://127.0.0.1:PORT/v1; "
+                        f"docs/openai-api.md); default {DEFAULT_HTTP_PORT}, 0: off")
     drain_grace = BaseServiceConfig.model_fields["drain_grace_s"]
     p.add_argument("--drain-grace", type=float, default=drain_grace.default, metavar="SECONDS",
                    help=f"{drain_grace.description} (default {drain_grace.default:g})")
@@ -152,13 +156,16 @@ class Stack:
     """The three service processes. ``log`` is where their output goes (None:
     this process's stdout/stderr); ``cpus`` pins a role's process to CPUs (None:
     inherited); ``metrics_ports`` / ``trace_file``: each role's ``--metrics-port``,
-    every role's ``--trace-file``."""
+    every role's ``--trace-file``; ``http_port``: the coordinator's ``--http-port``,
+    given always (0, the default: no HTTP API, whatever SPECDEC_COORDINATOR_HTTP_PORT
+    says, so stacks side by side do not all take 8000)."""
 
     def __init__(self, *, target: pathlib.Path, draft: pathlib.Path, ports: dict[str, int],
                  devices: dict[str, str], tokenizer: str | None = None, drain_grace: float = 30.0,
                  log: pathlib.Path | None = None, cpus: dict[str, set[int]] | None = None,
-                 metrics_ports: dict[str, int] | None = None, trace_file: str | None = None):
-        self.ports = ports
+                 metrics_ports: dict[str, int] | None = None, trace_file: str | None = None,
+                 http_port: int = 0):
+        self.ports, self.http_port, self.target, self.draft = ports, http_port, target, draft
         self.log_path = log
         out = open(log, "ab") if log is not None else None
         metrics_ports = metrics_ports or {}
@@ -190,7 +197,7 @@ class Stack:
                                  metrics_port=metrics_ports.get(role), **common, **fraction)
             self._launch[role] = ([*cli, f"{role}-service", *flags], dict(env=envs[role], **kw, **pinned(role)))
         flags = command_line(CoordinatorConfig, draft=self.address("draft"), target=self.address("target"),
-                             tokenizer=tokenizer, port=ports["coordinator"],
+                             tokenizer=tokenizer, port=ports["coordinator"], http_port=http_port,
                              metrics_port=metrics_ports.get("coordinator"), **common)
         self._launch["coordinator"] = ([*cli, "coordinator", *flags], dict(env=child_env(1), **kw,
                                                                            **pinned("coordinator")))
@@ -238,6 +245,10 @@ class Stack:
 
     def address(self, role: str) -> str:
         return f"{HOST}:{self.ports[role]}"
+
+    def http_url(self) -> str | None:
+        """Where the coordinator's OpenAI-compatible API answers (None: off)."""
+        return f"http://{HOST}:{self.http_port}/v1" if self.http_port else None
 
     def wait_serving(self, timeout: float = 300.0, stop_requested=lambda: False) -> bool:
         """Until every service's health check says SERVING (True), or a stop is
@@ -298,23 +309,49 @@ class Stack:
         return status
 
 
-def run(args: argparse.Namespace) -> int:
-    target, draft = model_dirs(args)
+def service_ports(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int] | None]:
+    """(each service's port, each role's /metrics port or None), checked: no two
+    alike, the HTTP API's included."""
     ports = {"coordinator": args.coordinator_port, "draft": args.draft_port, "target": args.target_port}
     if len(set(ports.values())) != 3:
         raise ValueError(f"the three ports must differ, got {ports}")
+    if not 0 <= args.http_port <= 65535:
+        raise ValueError(f"--http-port {args.http_port}: give a port in [1, 65535], or 0 for no HTTP API")
+    if args.http_port and args.http_port in ports.values():
+        raise ValueError(f"--http-port {args.http_port}: the HTTP API needs a port of its own, not a service's "
+                         f"({ports})")
     metrics_ports = None
     if args.metrics_port:
         if not 0 < args.metrics_port <= 65535 - 2:
             raise ValueError(f"--metrics-port {args.metrics_port}: give a port in [1, 65533] (PORT+2 is used too)")
         metrics_ports = {role: args.metrics_port + offset for role, offset in METRICS_PORT_OFFSETS.items()}
-        clash = set(metrics_ports.values()) & set(ports.values())
+        clash = set(metrics_ports.values()) & {*ports.values(), args.http_port}
         if clash:
             raise ValueError(f"--metrics-port {args.metrics_port}: /metrics ports {sorted(metrics_ports.values())} "
-                             f"overlap the services' ports {sorted(ports.values())}")
+                             f"overlap the services' ports {sorted({*ports.values(), args.http_port} - {0})}")
+    return ports, metrics_ports
+
+
+def banner(args: argparse.Namespace, stack: Stack, metrics_ports: dict[str, int] | None) -> str:
+    """What ``serve`` prints once every service answers SERVING."""
+    ports, http = stack.ports, stack.http_url()
+    parts = [f"specdec serve: coordinator on {stack.address('coordinator')} (gRPC)"
+             + (f", OpenAI-compatible HTTP API on {http}" if http else ", no HTTP API (--http-port 0)"),
+             f"draft {stack.draft} on {args.device_draft} at :{ports['draft']}, "
+             f"target {stack.target} on {args.device_target} at :{ports['target']}"]
+    if metrics_ports:
+        parts.append("/metrics on " + ", ".join(f":{metrics_ports[role]}" for role in METRICS_PORT_OFFSETS))
+    if args.trace_file:
+        parts.append(f"spans to {args.trace_file}")
+    return "; ".join([*parts, "Ctrl-C to stop"])
+
+
+def run(args: argparse.Namespace) -> int:
+    ports, metrics_ports = service_ports(args)
+    target, draft = model_dirs(args)
     stack = Stack(target=target, draft=draft, ports=ports, tokenizer=args.tokenizer,
                   devices={"draft": args.device_draft, "target": args.device_target}, drain_grace=args.drain_grace,
-                  metrics_ports=metrics_ports, trace_file=args.trace_file)
+                  metrics_ports=metrics_ports, trace_file=args.trace_file, http_port=args.http_port)
     # From here on SIGTERM / Ctrl-C mean "drain and exit": handled below, not by raising.
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -323,13 +360,7 @@ def run(args: argparse.Namespace) -> int:
         if not stack.wait_serving(stop_requested=lambda: bool(stopping)):
             print("specdec serve: stopping before all services started", file=sys.stderr, flush=True)
             return stack.stop()
-        print(f"specdec serve: coordinator on {stack.address('coordinator')} "
-              f"(draft {draft} on {args.device_draft} at :{ports['draft']}, "
-              f"target {target} on {args.device_target} at :{ports['target']})"
-              + (f"; /metrics on :{metrics_ports['coordinator']}, :{metrics_ports['draft']}, "
-                 f":{metrics_ports['target']}" if metrics_ports else "")
-              + (f"; spans to {args.trace_file}" if args.trace_file else "") + "; Ctrl-C to stop",
-              file=sys.stderr, flush=True)
+        print(banner(args, stack, metrics_ports), file=sys.stderr, flush=True)
         say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
         while not stopping:
             stack.keep_alive(say)

@@ -179,7 +179,7 @@ def start_cluster(procs: Processes, target_dir, draft_dir, rtts: list[float],
         port = free_port()
         procs.start(f"coordinator-{rtt:g}ms{'' if ahead else '-no-ahead'}", [
             "coordinator", "--draft", draft_addr, "--target", to_target, "--port", str(port),
-            "--tokenizer", str(target_dir),
+            "--tokenizer", str(target_dir), "--http-port", "0",  # several at once: gRPC only
         ], core=COORDINATOR_CORE)
         coordinators[rtt, ahead] = f"127.0.0.1:{port}"
     return coordinators

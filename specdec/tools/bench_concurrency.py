@@ -77,7 +77,7 @@ def start_stacks(procs: Processes, target_dir: pathlib.Path, draft_dir: pathlib.
                        TARGET_CORE),
             "coordinator": (["coordinator", "--draft", f"127.0.0.1:{ports['draft']}", "--target",
                              f"127.0.0.1:{ports['target']}", "--port", str(ports["coordinator"]),
-                             "--max-streams", "256"], COORDINATOR_CORE),
+                             "--max-streams", "256", "--http-port", "0"], COORDINATOR_CORE),
         }
         pids = {}
         for role, (args, core) in commands.items():

@@ -236,8 +236,8 @@ def test_every_flag_variable_and_port_is_one_the_services_accept(objects):
         config = sc.config()  # fails on an argument specdec does not accept
         for var in sc.container.get("env", []):
             assert var["name"] in accepted(role), f"{sc.name}: {role} does not read {var['name']}"
-        assert {p["containerPort"] for p in sc.container["ports"]} == {config.port, config.metrics_port,
-                                                                       config.health_port}
+        served = {config.port, config.metrics_port, config.health_port, getattr(config, "http_port", 0)} - {0}
+        assert {p["containerPort"] for p in sc.container["ports"]} == served, sc.name
         annotations = kube.pod_template(sc.workload)["metadata"]["annotations"]
         assert int(annotations["prometheus.io/port"]) == config.metrics_port == kube.container_port(
             sc.container, "metrics"), sc.name
@@ -246,6 +246,22 @@ def test_every_flag_variable_and_port_is_one_the_services_accept(objects):
                    if name in [ref["configMapRef"]["name"] for ref in sc.container.get("envFrom", [])]]
         for key in kube.named(objects, "ConfigMap", name)["data"]:
             assert any(key in accepted(role) for role in readers), f"ConfigMap {name}: no service reads {key}"
+
+
+def test_the_coordinators_service_leads_to_its_http_api_with_the_grpc_ports_tls(objects):
+    """The OpenAI-compatible API: the container port the coordinator serves it
+    on, behind the Service's ``http`` port, which says ``https`` exactly when
+    the coordinator serves TLS (its certificate flags apply to both ports)."""
+    sc = kube.by_role(objects)["coordinator"]
+    config = sc.config()
+    assert config.http_port and kube.container_port(sc.container, "http") == config.http_port
+    service = kube.service_for(objects, sc.workload)
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    workload, _, container_port = kube.service_backend(objects, service, port["port"])
+    assert workload is sc.workload and container_port == config.http_port
+    assert port["appProtocol"] == ("https" if config.tls_cert else "http")
+    (grpc,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert ("appProtocol" in grpc) != bool(config.tls_cert), "h2c only in plaintext"
 
 
 def test_the_coordinator_finds_each_model_service_through_its_service(objects):

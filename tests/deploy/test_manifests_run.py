@@ -6,8 +6,9 @@ container behind it, each volume is a local folder, the collector is an
 in-memory OTLP receiver and Redis a local redis-server with the Redis
 container's own arguments. Then, as the kubelet would: wait for each readiness
 probe (gRPC health on the probe's port), stream a Generate through the
-coordinator's Service, and SIGTERM every process, which must exit within its
-terminationGracePeriodSeconds.
+coordinator's Service, ask the same of its OpenAI-compatible HTTP API (the
+Service's ``http`` port) with the openai SDK, and SIGTERM every process, which
+must exit within its terminationGracePeriodSeconds.
 
 With components/tls and components/client-auth, what cert-manager and the
 operator would put in the Secrets is made here: a CA, and for each Certificate
@@ -21,11 +22,13 @@ import contextlib
 import os
 import pathlib
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
 
 import grpc
+import openai
 import pytest
 from redis_server import RedisServer
 from tls_certs import CA
@@ -158,6 +161,26 @@ def coordinator_address(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str
     return cluster.address(service["metadata"]["name"], port)
 
 
+def coordinator_http_api(cluster: LocalCluster, sc: kube.SpecdecContainer, ca: CA | None, token: str | None):
+    """The openai SDK on the coordinator's Service's ``http`` port, as a client
+    in the cluster would call it (HTTPS, trusting the CA, with components/tls)."""
+    service = kube.service_for(cluster.objects, sc.workload)
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+    tls = {"http_client": openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=ca.path))} if ca else {}
+    scheme = "https" if ca else "http"
+    return openai.OpenAI(base_url=f"{scheme}://{cluster.address(service['metadata']['name'], port)}/v1",
+                         api_key=token or "unused", max_retries=0, timeout=60, **tls)
+
+
+def assert_http_api_answers_as_grpc(client: openai.OpenAI, text: str, secured: bool) -> None:
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert out.choices[0].text == text and out.usage.completion_tokens == NEW_TOKENS
+    if secured:  # no call without a token
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="not-a-token").models.list()
+
+
 def scrape(cluster: LocalCluster, sc: kube.SpecdecContainer) -> str:
     """/metrics where the pod's Prometheus annotation says."""
     port = int(kube.pod_template(sc.workload)["metadata"]["annotations"]["prometheus.io/port"])
@@ -240,6 +263,9 @@ def test_the_cpu_overlay_runs_as_its_manifests_say(tmp_path, components):
                 events = list(client.generate(PROMPT, max_new_tokens=NEW_TOKENS))
             assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == expected
             assert events[-1].finish_reason == "length"
+            with coordinator_http_api(cluster, roles["coordinator"], ca, token) as api:
+                text = "".join(e.text for e in events if isinstance(e, Delta))
+                assert_http_api_answers_as_grpc(api, text, secured=bool(components))
             if components:  # no plaintext, and no call without a token
                 with Client(address, timeout=10) as plain, pytest.raises(errors.Unavailable):
                     plain.complete(PROMPT, max_new_tokens=2)

@@ -1,7 +1,8 @@
 """Who may reach whom, as the rendered NetworkPolicies decide it (ingress, as a
 CNI enforces them): only the coordinator reaches the model services, clients
-reach only the coordinator, only Prometheus reaches the metrics ports, and only
-the collector receives telemetry."""
+reach only the coordinator (its gRPC port and its OpenAI-compatible HTTP port),
+only Prometheus reaches the metrics ports, and only the collector receives
+telemetry."""
 
 from __future__ import annotations
 
@@ -59,13 +60,13 @@ def test_only_the_coordinator_reaches_the_model_services(objects):
             assert not allowed(objects, source, model, "grpc"), f"{source} reaches {role}"
 
 
-def test_clients_reach_only_the_coordinator(objects):
+def test_clients_reach_only_the_coordinators_grpc_and_http_ports(objects):
     coordinator = kube.by_role(objects)["coordinator"].workload
+    open_to_clients = [(coordinator, "grpc"), (coordinator, "http")]  # gRPC, and the OpenAI-compatible API
     for source in (CLIENT, NEIGHBOUR):
-        assert allowed(objects, source, coordinator, "grpc")
         for workload, port in ports(objects):
-            if (workload, port) != (coordinator, "grpc"):
-                assert not allowed(objects, source, workload, port), f"{workload['metadata']['name']}:{port}"
+            reached = allowed(objects, source, workload, port)
+            assert reached == ((workload, port) in open_to_clients), f"{workload['metadata']['name']}:{port}"
 
 
 def test_only_prometheus_reaches_the_metrics_ports(objects):

@@ -4,14 +4,21 @@ the same services, prints the summary and stops everything."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from specdec.cli import main
 
-from tiny_models import add_byte_tokenizer, make_noisy_copy, make_tiny_llama
+from tiny_models import add_byte_tokenizer, add_chat_template, make_noisy_copy, make_tiny_llama
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +26,22 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo-models")
     target = add_byte_tokenizer(make_tiny_llama(root / "target", vocab_size=260, layers=2, max_positions=256,
                                                 seed=3, logit_scale=4.0))
+    add_chat_template(target, TEMPLATE)  # for the HTTP API's chat completions
     draft = add_byte_tokenizer(make_noisy_copy(target, root / "draft", noise=0.05, seed=4))
     return target, draft
 
 
 def test_demo_streams_a_completion_and_reports_the_speedup(pair, capfd):
+    from specdec.serving.server import free_port
+
     target, draft = pair
+    http_port = free_port()
     assert main(["demo", "--target-model", str(target), "--draft-model", str(draft),
-                 "--max-new-tokens", "32", "--prompt", "def main():\n"]) == 0
+                 "--max-new-tokens", "32", "--prompt", "def main():\n", "--http-port", str(http_port)]) == 0
     out, err = capfd.readouterr()
     assert out.startswith("def main():\n") and len(out) > len("def main():\n")
-    for line in ("serving: coordinator 127.0.0.1:", "acceptance ", "gamma         adaptive: mean",
+    for line in ("serving: coordinator 127.0.0.1:", f"OpenAI-compatible HTTP API http://127.0.0.1:{http_port}/v1",
+                 "acceptance ", "gamma         adaptive: mean",
                  "speculative ", "target only ", "speedup ", "same output as target-only decoding: yes"):
         assert line in err, err
 
@@ -37,6 +49,33 @@ def test_demo_streams_a_completion_and_reports_the_speedup(pair, capfd):
 def test_demo_without_models_says_what_to_do(tmp_path, capsys):
     assert main(["demo", "--target-model", str(tmp_path), "--draft-model", str(tmp_path)]) == 2
     assert "is not a model directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--http-port", "50051"], "--http-port 50051: the HTTP API needs a port of its own"),
+    (["--http-port", "70000"], "--http-port 70000: give a port in [1, 65535], or 0 for no HTTP API"),
+    (["--http-port", "9466", "--metrics-port", "9464"], "/metrics ports [9464, 9465, 9466] overlap"),
+])
+def test_serve_checks_its_ports_first(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_defaults_to_port_8000_other_stacks_to_no_http_api(monkeypatch):
+    """Its services take free ports and stop when it ends: 8000, which
+    ``specdec serve`` may hold, stays alone."""
+    from specdec.cli import build_parser, serve
+
+    started = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda argv, **kw: started.append(argv))
+    assert build_parser(only="demo").parse_args(["demo"]).http_port == 0
+    assert build_parser(only="serve").parse_args(["serve"]).http_port == 8000
+    ports = {"coordinator": 1, "draft": 2, "target": 3}
+    for given, flag in ((None, "0"), (8123, "8123")):
+        serve.Stack(target="t", draft="d", ports=ports, devices={"draft": "cpu", "target": "cpu"},
+                    **({"http_port": given} if given else {}))
+        argv = started[-1]
+        assert argv[argv.index("--http-port") + 1] == flag, argv
 
 
 def three_free_ports() -> int:
@@ -71,14 +110,14 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     from specdec.serving.server import free_port
 
     target, draft = pair
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]  # coordinator, draft, target, HTTP API
     metrics = three_free_ports()
     trace_file = tmp_path / "spans.jsonl"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "serve", "--target-model", str(target), "--draft-model", str(draft),
          "--coordinator-port", str(ports[0]), "--draft-port", str(ports[1]), "--target-port", str(ports[2]),
-         "--metrics-port", str(metrics), "--trace-file", str(trace_file)],
+         "--http-port", str(ports[3]), "--metrics-port", str(metrics), "--trace-file", str(trace_file)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
@@ -99,6 +138,7 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
                                (2, 'specdec_rpc_server_duration_seconds_count{method="Verify",service="target"}')):
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics + offset}/metrics", timeout=10) as r:
                 assert sample in r.read().decode()
+        assert_curl_streams_chunks_as_rounds_commit(f"http://127.0.0.1:{ports[3]}/v1")
         # A service that dies is started again; the others go on.
         children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
         (target_pid,) = [int(p) for p in children if b"target-service" in open(f"/proc/{p}/cmdline", "rb").read()]
@@ -119,11 +159,16 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
         print("serve log:\n" + (tmp_path / "serve.log").read_text())  # shown by pytest on failure
         raise
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failure: SIGTERM first, so serve stops its services (own sessions) too
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     text = (tmp_path / "serve.log").read_text()
-    assert f"specdec serve: coordinator on 127.0.0.1:{ports[0]}" in text
+    assert (f"specdec serve: coordinator on 127.0.0.1:{ports[0]} (gRPC), OpenAI-compatible HTTP API on "
+            f"http://127.0.0.1:{ports[3]}/v1; draft ") in text
     services = {json.loads(line)["service"] for line in trace_file.read_text().splitlines()}
     assert services == {"specdec-coordinator", "specdec-draft", "specdec-target"}  # flushed at exit
     assert text.count("exited cleanly") == 3  # coordinator, draft and target all drained
@@ -131,6 +176,57 @@ def test_serve_runs_three_services_and_stops_them_on_sigterm(pair, tmp_path):
     assert "starting the target service again (restart 1)" in text
     assert text.count("objects alive after start-up frozen") == 4  # (the target twice) full collections skip them
     assert text.index("coordinator exited cleanly") < text.index("draft service exited cleanly")
+
+
+def curl_stream(url: str, body: dict) -> tuple[float, list[tuple[float, dict | str]]]:
+    """``curl -N`` (no buffering) POSTing ``body``: when it started, and each
+    server-sent event's data (JSON, or ``[DONE]``) with when its line came out.
+    Without curl on this machine, http.client reads the lines as they come."""
+    started, events = time.monotonic(), []
+    for line in _post_lines(url, json.dumps(body)):
+        if line.startswith(b"data: "):
+            data = line[6:].strip().decode()
+            events.append((time.monotonic(), data if data == "[DONE]" else json.loads(data)))
+    return started, events
+
+
+def _post_lines(url: str, body: str):
+    curl = shutil.which("curl")
+    if curl is None:
+        import http.client
+        import urllib.parse
+
+        where = urllib.parse.urlsplit(url)
+        connection = http.client.HTTPConnection(where.netloc, timeout=30)
+        connection.request("POST", where.path, body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        yield from response  # line by line, each as soon as it is complete
+        return
+    proc = subprocess.Popen([curl, "-sS", "-N", "--fail-with-body", url, "-H", "Content-Type: application/json",
+                             "-d", body], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    yield from proc.stdout  # each line as curl writes it
+    assert proc.wait(30) == 0, proc.stderr.read().decode()
+
+
+def assert_curl_streams_chunks_as_rounds_commit(base_url: str) -> None:
+    """A streamed chat completion through ``curl -N``: a chunk per round as it
+    commits, so the first arrives long before the stream ends (a buffered
+    response would bring them all at once, at the end)."""
+    body = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 96, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "gamma_policy": "static:1"}
+    started, events = curl_stream(f"{base_url}/chat/completions", body)
+    times, data = [t for t, _ in events], [d for _, d in events]
+    assert data[-1] == "[DONE]" and data[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage = data[-2]
+    assert usage["usage"]["completion_tokens"] == 96 and data[-3]["choices"][0]["finish_reason"] == "length"
+    rounds = usage["metrics"]["speculative_decoding"]["rounds"]
+    content = [d for d in data[:-2] if d["choices"] and d["choices"][0]["delta"].get("content")]
+    assert rounds >= 48 and len(content) >= rounds // 2, (rounds, len(content))  # (a round may end mid-character)
+    first, end = times[0], times[-1]
+    assert end - first > 0.3 * (end - started), f"chunks at {[round(t - started, 3) for t in times]}"
+    apart = sum(1 for a, b in itertools.pairwise(times) if b - a > 0.0005)  # each round takes a few ms
+    assert apart >= len(content) // 3, f"the chunks came in a few bursts: {[round(t - started, 4) for t in times]}"
 
 
 @pytest.mark.parametrize("argv, message", [

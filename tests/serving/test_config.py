@@ -166,9 +166,11 @@ def test_serve_without_a_tokenizer_serves_prompt_ids(tiny_pair, monkeypatch):
         serve.Stack(target=target, draft=draft, ports=ports, devices={"draft": "cpu", "target": "cpu"})
         argv = started[-1][started[-1].index("coordinator") + 1:]
         assert "--tokenizer" not in argv  # the target's own, fetched from it
+        assert argv[argv.index("--http-port") + 1] == "0"  # no HTTP API unless asked (serve asks for 8000)
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         coordinator = loop.call(start_coordinator(CoordinatorConfig.load(vars(parser.parse_args(argv)))))
+        assert coordinator.http is None
         with Client(f"127.0.0.1:{coordinator.port}", timeout=30) as client:
             out = client.complete(prompt_ids=[1, 2, 3], max_new_tokens=8)
             assert out.stats.generated_tokens == 8 and len(out.token_ids) == 8
