@@ -291,6 +291,18 @@ REPLICA_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADL
                               grpc.StatusCode.CANCELLED})
 
 
+async def _repeat_or_raise(retries: _Retries, e: grpc.RpcError, position: int, client: ServiceClient,
+                           session: RemoteSession, method: str) -> None:
+    """After a failed call: return to repeat it; SessionLost when the service
+    lost the session (the round machine re-pre-fills it); else the call's error."""
+    action = await retries.after(e, position, client, session.key)
+    if action is None:
+        raise client.translate(e, method) from None
+    if action == "refill":
+        session.refilled(client.role, "evicted")
+        raise SessionLost(client.role, "evicted") from None
+
+
 async def _move(pinned: Pinned, session: RemoteSession, cause: str, exclude: Iterable[str] = ()) -> bool:
     """Move the turn's ``pinned`` role to another replica that serves its model."""
     if not await pinned.move(cause, session.may_take_over, exclude):
@@ -335,12 +347,7 @@ class RemoteProposer:
             except grpc.RpcError as e:
                 if await self._gave_up(e, client):
                     return Drafted([])
-                action = await retries.after(e, call.position, client, self.session.key)
-                if action is None:
-                    raise client.translate(e, "ProposeAll") from None
-                if action == "refill":
-                    self.session.refilled("draft", "evicted")
-                    raise SessionLost("draft", "evicted") from None
+                await _repeat_or_raise(retries, e, call.position, client, self.session, "ProposeAll")
 
     async def _gave_up(self, e: grpc.RpcError, client: ServiceClient) -> bool:
         """A failure of the replica (not of the request) ends the drafting of
@@ -407,12 +414,7 @@ class RemoteVerifier:
                 break
             except grpc.RpcError as e:
                 await self._moved_after(e, client)
-                action = await retries.after(e, call.position, client, self.session.key)
-                if action is None:
-                    raise client.translate(e, "Verify") from None
-                if action == "refill":
-                    self.session.refilled("target", "evicted")
-                    raise SessionLost("target", "evicted") from None
+                await _repeat_or_raise(retries, e, call.position, client, self.session, "Verify")
         s = self.stats
         if not s.calls or call.position == 0:  # history the target lacked: all it ran but the drafts and decoding
             s.prefill_tokens += max(0, reply.timing.computed_tokens - len(call.drafts) - len(reply.verdict.decoded))
