@@ -34,11 +34,12 @@ from typing import Protocol
 
 from specdec.coordinator.leases import SessionLeases
 from specdec.serving import errors
+from specdec.serving.names import hidden_in
 
 log = logging.getLogger("specdec.coordinator")
 
 # When a client refused a new session for --client-max-sessions may try again: a
-# slot frees when it closes a session, or one of its sessions idles out.
+# slot frees when it closes a session, or one of its sessions idles out (--redis-ttl).
 SESSION_CAP_RETRY_S = 60.0
 
 
@@ -172,33 +173,41 @@ class SessionDirectory(Protocol):
 class InMemoryDirectory:
     """The default directory: dicts in this process (one coordinator, nothing to
     install). Records are copied in and out so callers never share mutable state
-    with the store — the same semantics a networked store has. At most
-    ``max_records`` are kept; beyond that the least recently written is dropped
-    (a client that never closes its sessions cannot grow the coordinator
-    without bound), and at most ``max_per_client`` (0: any number) count
-    against one client (:attr:`SessionRecord.client`): creating one more is
-    refused (:func:`over_cap`).
+    with the store — the same semantics a networked store has. A session not
+    written for ``ttl_s`` (--redis-ttl; None: kept) is forgotten, as Redis
+    forgets it; at most ``max_records`` are kept, beyond that the least recently
+    written is dropped (a client that never closes its sessions cannot grow the
+    coordinator without bound); and at most ``max_per_client`` (0: any number)
+    count against one client (:attr:`SessionRecord.client`): creating one more
+    is refused (:func:`over_cap`) until one is closed, forgotten or expires.
+
+    The records are ordered by their last write (each delta counts, as it
+    refreshes the TTL in Redis): the expired ones are at the front, dropped by
+    every method before it looks (:meth:`_expire`, the work of those dropped).
 
     The methods are coroutines only to match :class:`SessionDirectory`: none of
     them awaits anything, so on the one event loop each runs whole, and the
     dicts need no lock."""
 
-    def __init__(self, max_records: int = 100_000, max_per_client: int = 0) -> None:
-        self.max_records, self.max_per_client = max_records, max_per_client
+    def __init__(self, max_records: int = 100_000, max_per_client: int = 0, ttl_s: float | None = None) -> None:
+        self.max_records, self.max_per_client, self.ttl_s = max_records, max_per_client, ttl_s
         self._by_client: dict[str, set[str]] = {}  # client -> its stored sessions' ids
-        # session id -> [session dict, turn dict | None]
+        # session id -> [session dict, turn dict | None, time.monotonic() of its last write], least recent first
         self._records: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._leases = SessionLeases()
 
     async def get(self, session_id: str) -> SessionRecord | None:
+        self._expire()
         parts = self._records.get(session_id)
-        return None if parts is None else SessionRecord.from_dicts(*parts)
+        return None if parts is None else SessionRecord.from_dicts(*parts[:2])
 
     async def owner(self, session_id: str) -> str | None:
+        self._expire()
         parts = self._records.get(session_id)
         return None if parts is None else parts[0].get("owner", "")
 
     async def put(self, record: SessionRecord, lease: Lease | None = None, keep_deltas: bool = False) -> None:
+        self._expire()
         record.updated_at = time.time()
         turn = record.turn
         if keep_deltas and turn is not None:  # copy all but the deltas
@@ -211,24 +220,28 @@ class InMemoryDirectory:
         else:
             parts = [record.session_dict(), record.turn_dict()]
         self._count(record)
-        self._records[record.session_id] = parts
+        self._records[record.session_id] = [*parts, time.monotonic()]
         self._records.move_to_end(record.session_id)
         while len(self._records) > self.max_records:
-            dropped, (session, _) = self._records.popitem(last=False)
+            dropped, (session, *_) = self._records.popitem(last=False)
             self._uncount(session.get("client", ""), dropped)
-            log.info("session directory full (%d): forgot least recently used session %s",
-                     self.max_records, dropped)
+            log.info("session directory full (%d): forgot the least recently used session, %s",
+                     self.max_records, hidden_in(dropped, dropped))
 
     async def add_delta(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        self._expire()
         ids, text = record.turn.deltas[-1]
         parts = self._records.get(record.session_id)
         stored = parts[1] if parts is not None else None
         if stored is not None and len(stored["deltas"]) == len(record.turn.deltas) - 1:
             stored["deltas"].append([list(ids), text])
+            parts[2] = time.monotonic()  # written: its idle time starts again
+            self._records.move_to_end(record.session_id)
             return
-        await self.put(record, lease)  # forgotten meanwhile (the directory was full), or out of step
+        await self.put(record, lease)  # forgotten meanwhile (expired, or the directory was full), or out of step
 
     async def delete(self, session_id: str, lease: Lease | None = None) -> bool:
+        self._expire()
         parts = self._records.pop(session_id, None)
         if parts is not None:
             self._uncount(parts[0].get("client", ""), session_id)
@@ -242,7 +255,7 @@ class InMemoryDirectory:
         if record.client == before:
             return
         if stored is None and 0 < self.max_per_client <= self.sessions_of(record.client):
-            raise over_cap(record.client, self.max_per_client)
+            raise over_cap(record.client, self.max_per_client, self.ttl_s)
         self._uncount(before, record.session_id)
         if record.client:
             self._by_client.setdefault(record.client, set()).add(record.session_id)
@@ -254,8 +267,27 @@ class InMemoryDirectory:
             if not held:
                 del self._by_client[client]
 
+    def _expire(self) -> None:
+        """Forget the sessions not written for ``ttl_s``: the first ones, in
+        the order of their last write."""
+        if not self.ttl_s:
+            return
+        oldest = time.monotonic() - self.ttl_s
+        expired = 0
+        while self._records:
+            session_id, (session, _, written) = next(iter(self._records.items()))
+            if written > oldest:
+                break
+            del self._records[session_id]
+            self._uncount(session.get("client", ""), session_id)
+            expired += 1
+        if expired:
+            log.info("forgot %d session%s idle for %g s (--redis-ttl)", expired, "" if expired == 1 else "s",
+                     self.ttl_s)
+
     def sessions_of(self, client: str) -> int:
         """How many stored sessions count against ``client``."""
+        self._expire()
         return len(self._by_client.get(client, ()))
 
     @contextlib.asynccontextmanager
@@ -265,8 +297,9 @@ class InMemoryDirectory:
             yield Lease(session_id) if held else None
 
     async def check_cap(self, session_id: str, client: str) -> None:
+        self._expire()
         if session_id and session_id not in self._records and 0 < self.max_per_client <= self.sessions_of(client):
-            raise over_cap(client, self.max_per_client)
+            raise over_cap(client, self.max_per_client, self.ttl_s)
 
     async def check(self) -> None:
         pass
@@ -275,15 +308,17 @@ class InMemoryDirectory:
         pass
 
     def __len__(self) -> int:
+        self._expire()
         return len(self._records)
 
 
-def over_cap(client: str, cap: int) -> errors.ClientLimitExceeded:
-    """The refusal of a new session to a client holding ``cap`` (--client-max-sessions)."""
+def over_cap(client: str, cap: int, ttl_s: float | None) -> errors.ClientLimitExceeded:
+    """The refusal of a new session to a client holding ``cap`` (--client-max-sessions),
+    in a directory that forgets a session idle for ``ttl_s`` (--redis-ttl; None: never)."""
+    expiry = f", or wait for one to expire ({ttl_s:g} s without a turn: --redis-ttl)" if ttl_s else ""
     return errors.ClientLimitExceeded(
         f"client {client!r} has reached its limit of {cap} named sessions (--client-max-sessions {cap}): close "
-        "one it no longer needs (CloseSession), or wait for an idle one to expire, then retry; its sessions can "
-        "still be continued",
+        f"one it no longer needs (CloseSession){expiry}, then retry; its sessions can still be continued",
         retry_after_s=SESSION_CAP_RETRY_S)
 
 

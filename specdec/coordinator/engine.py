@@ -311,7 +311,7 @@ def make_directory(config: CoordinatorConfig, metrics=None) -> SessionDirectory:
     """``--redis URL``: the directory every coordinator given that URL shares;
     otherwise one in this process's memory."""
     if not config.redis:
-        return InMemoryDirectory(config.max_sessions, config.client_max_sessions)
+        return InMemoryDirectory(config.max_sessions, config.client_max_sessions, ttl_s=config.redis_ttl_s)
     from specdec.coordinator.redis_directory import RedisDirectory
 
     return RedisDirectory(config.redis, ttl_s=config.redis_ttl_s, lease_s=config.lease_s, metrics=metrics,

@@ -54,6 +54,9 @@ class HeldLease:
     record: SessionRecord | None = None
     riding: bool = False  # a write is retrying under it: that write re-takes the lease, not the renewals
     gave_up: bool = False  # a write outlasted the bound: the turn is ending, later writes try once
+    # The request's hold ended (set before its lease is released): a renewal in
+    # flight then never takes the lease again, and gives back one it just took.
+    released: bool = False
 
     def adopt(self, stored: str) -> bool:
         """Whether the lease key's value ``stored`` ("token:nonce") is this

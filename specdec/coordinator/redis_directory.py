@@ -80,6 +80,7 @@ from specdec.coordinator.leases import SessionLeases
 from specdec.coordinator.outage import Backoff, HeldLease, may_reseed
 from specdec.serving import errors
 from specdec.serving.config import redacted_url
+from specdec.serving.names import hidden_in
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -269,7 +270,7 @@ class RedisDirectory:
                                      "-" if turn is None else _json(turn), mode, self.max_per_client, *deltas,
                                      client=record.client)
         if written < 0:
-            raise over_cap(record.client, self.max_per_client)
+            raise over_cap(record.client, self.max_per_client, self.ttl_ms / 1000)
         if not written:
             raise _lost(record.session_id)
 
@@ -298,7 +299,7 @@ class RedisDirectory:
         keys = session_keys(session_id)
         names = [keys["lease"], keys["session"], keys["turn"], keys["deltas"], client_key(client)]
         if await self._call("count", self._scripts["check_cap"](keys=names, args=[self.max_per_client])):
-            raise over_cap(client, self.max_per_client)
+            raise over_cap(client, self.max_per_client, self.ttl_ms / 1000)
 
     async def _client_of(self, session_id: str) -> str:
         """The client the stored session counts against ("": none, or no such session)."""
@@ -325,10 +326,12 @@ class RedisDirectory:
                 return
             lease = await self._acquire(session_id, self.lease_wait_s if wait_s is None else wait_s, cancelled)
             self._start_keeper()
-            self._held[id(lease)] = HeldLease(session_keys(session_id)["lease"], lease)
+            held = self._held[id(lease)] = HeldLease(session_keys(session_id)["lease"], lease)
             try:
                 yield lease
             finally:
+                # Marked first: a renewal in flight must not take back the lease released here (:meth:`_renew`).
+                held.released = True
                 del self._held[id(lease)]
                 await self._release(lease)
 
@@ -368,9 +371,18 @@ class RedisDirectory:
             await asyncio.sleep(self.lease_ms / 3000)
             await asyncio.gather(*(self._renew(held) for held in list(self._held.values())))
 
+    def _holding(self, held: HeldLease) -> bool:
+        """Whether ``held``'s request still holds it: its hold has not ended
+        (the keeper renews a copy of :attr:`_held`, taken before)."""
+        return not held.released and self._held.get(id(held.lease)) is held
+
     async def _renew(self, held: HeldLease) -> None:
         """Renew one lease; one that vanished (Redis restarted empty, or stalled
-        past it) is taken again, as a write would (:meth:`_ride_out`)."""
+        past it) is taken again, as a write would (:meth:`_ride_out`) — but
+        only while its request holds it: a renewal that finds the lease gone
+        because the request's hold ended meanwhile and released it must not
+        take it back (nothing would ever release it again; the session's next
+        turn would wait, then be refused, until the lease expired)."""
         try:
             renewed = await self._call("renew", self._scripts["renew"](
                 keys=[held.key], args=[_token(held.lease), self.lease_ms]))
@@ -383,6 +395,8 @@ class RedisDirectory:
         self._writes_succeed()
         if renewed or held.riding:  # (a write that is retrying takes the lease again itself)
             return
+        if not self._holding(held):  # released by its request: gone as it should be
+            return
         if held.gave_up or held.record is None:  # the turn is ending; or nothing written yet, to re-seed
             log.warning("a session's lease was lost (this coordinator stalled past %.1f s?): "
                         "its writes will be refused", self.lease_ms / 1000)
@@ -390,7 +404,11 @@ class RedisDirectory:
         try:
             await self._retake(held)
         except Exception as e:  # refused (taken over) or unreachable again: the writes find out too
-            log.warning("a session's lease vanished and was not taken again: %s", e)
+            log.warning("a session's lease vanished and was not taken again: %s",
+                        hidden_in(str(e), held.lease.session_id))
+            return
+        if not self._holding(held):  # the hold ended while the lease was taken again: give it back
+            await self._release(held.lease)
 
     # ------------------------------------------------------------------ outages
 
@@ -476,7 +494,8 @@ class RedisDirectory:
                     continue
                 held.lease.token = token
                 log.warning("%s: the session's lease had vanished from the directory (Redis restarted or stalled): "
-                            "taken again, the record re-seeded from the turn's", held.lease.session_id)
+                            "taken again, the record re-seeded from the turn's",
+                            hidden_in(held.lease.session_id, held.lease.session_id))
                 return True
 
     def _queue_record(self, pipe, keys: dict[str, str], record: SessionRecord) -> None:

@@ -293,8 +293,9 @@ class CoordinatorConfig(BaseServiceConfig):
         "unix://PATH), shared by every coordinator given the same URL; empty: in this process's memory",
         json_schema_extra={"metavar": "URL"})
     redis_ttl_s: float = Field(
-        86400.0, gt=0, description="with --redis: a session idle this long is forgotten there (each turn "
-        "restarts the clock)", json_schema_extra={"flag": "--redis-ttl", "metavar": "SECONDS"})
+        86400.0, gt=0, description="a session idle this long is forgotten, by the session directory in memory "
+        "as in Redis (--redis): each turn restarts the clock, and its slot under --client-max-sessions frees",
+        json_schema_extra={"flag": "--redis-ttl", "metavar": "SECONDS"})
     client_max_streams: int = Field(
         0, ge=0, description="streams one client may have open at once (its token's name, or its address "
         "without --auth-tokens); more are refused RESOURCE_EXHAUSTED with retry-after; 0: no limit",

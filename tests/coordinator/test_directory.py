@@ -69,6 +69,34 @@ async def test_deltas_are_appended_one_at_a_time_and_kept_on_request():
 
 
 @on_a_loop
+async def test_a_session_idle_past_the_ttl_is_forgotten_and_frees_its_clients_slot():
+    d = InMemoryDirectory(max_per_client=1, ttl_s=0.5)
+    busy = with_turn("busy", [[7], "a"])
+    busy.client = "bob"
+    await d.put(busy)
+    await d.put(SessionRecord("idle", client="alice"))
+    with pytest.raises(errors.ResourceExhausted, match=r"or wait for one to expire \(0.5 s without a turn: "
+                       r"--redis-ttl\)"):
+        await d.put(SessionRecord("new", client="alice"))
+    for n in range(4):  # a delta of busy's turn every 0.15 s: each restarts its clock
+        await asyncio.sleep(0.15)
+        busy.turn.deltas.append([[8 + n], "b"])
+        await d.add_delta(busy, None)
+    assert await d.get("idle") is None and await d.owner("idle") is None  # idle for 0.6 s: forgotten
+    assert d.sessions_of("alice") == 0 and len(d) == 1
+    assert (await d.get("busy")).turn.generated == [7, 8, 9, 10, 11]
+    await d.check_cap("new", "alice")
+    await d.put(SessionRecord("new", client="alice"))  # the slot idle held
+    await asyncio.sleep(0.6)
+    assert len(d) == 0 and d.sessions_of("alice") == d.sessions_of("bob") == 0
+    assert await d.delete("new") is False
+    kept = InMemoryDirectory()  # no TTL: kept until closed or forgotten for max_records
+    await kept.put(SessionRecord("a"))
+    await asyncio.sleep(0.01)
+    assert await kept.get("a") is not None
+
+
+@on_a_loop
 async def test_directory_hold_yields_a_lease_or_none_when_cancelled():
     d = InMemoryDirectory()
     async with d.hold("a") as lease:

@@ -147,6 +147,56 @@ async def test_the_keeper_retakes_a_lease_that_vanished_between_writes(server):
 
 
 @on_a_loop
+async def test_a_renewal_answered_after_the_hold_released_the_lease_does_not_take_it_back(server):
+    raw = redis.Redis.from_url(server.url)
+    async with directory(server, lease_s=30) as d:  # (the keeper's renewals, every 10 s, stay out of the way)
+        async with d.hold("s") as lease:
+            ours = record()
+            await d.put(ours, lease)
+            ours.turn.finish_reason = "stop"
+            await d.put(ours, lease, keep_deltas=True)  # the turn ends
+            held = d._held[id(lease)]
+        # The keeper had copied the held leases and sent this one's renewal: the
+        # hold's release reached Redis first, so the renewal finds no lease.
+        await d._renew(held)
+        assert raw.get(session_keys("s")["lease"]) is None
+        started = time.monotonic()
+        async with d.hold("s") as again:  # the client's next turn, sent at once, is not kept waiting
+            assert again.token > lease.token
+        assert time.monotonic() - started < 0.2
+
+
+@on_a_loop
+async def test_a_lease_taken_again_while_its_hold_ended_is_given_back(server):
+    raw = redis.Redis.from_url(server.url)
+    async with directory(server, lease_s=30) as d:
+        inside, leave, holding = asyncio.Event(), asyncio.Event(), []
+
+        async def turn() -> None:
+            async with d.hold("s") as lease:
+                await d.put(record(), lease)
+                holding.append(d._held[id(lease)])
+                inside.set()
+                await leave.wait()
+
+        ended = asyncio.create_task(turn())
+        await inside.wait()
+        raw.delete(session_keys("s")["lease"])  # vanished (a stall past it): the renewal takes it again ...
+        reseed = d._reseed
+
+        async def the_hold_ends_first(held):  # ... while the turn ends, its release finding nothing to release
+            leave.set()
+            await ended
+            return await reseed(held)
+
+        d._reseed = the_hold_ends_first
+        await d._renew(holding[0])
+        assert raw.get(session_keys("s")["lease"]) is None  # given back
+        async with d.hold("s", wait_s=0) as again:
+            assert again.token
+
+
+@on_a_loop
 async def test_a_turn_another_coordinator_took_over_is_lost(server):
     async with directory(server) as a, directory(server) as b:
         async with a.hold("s") as lease:

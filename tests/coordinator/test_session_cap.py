@@ -3,8 +3,8 @@ directories (in memory, and in a real Redis shared by two coordinators'
 directories), then real coordinators over gRPC, with bearer tokens and without.
 
 A new session past the cap is refused RESOURCE_EXHAUSTED naming the flag, with
-nothing written; continuing one never is; closing one, or its expiry in Redis,
-frees a slot; another client is not affected."""
+nothing written; continuing one never is; closing one, or its expiry (in
+memory as in Redis), frees a slot; another client is not affected."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ async def refused(directory, session_id: str, client: str = "alice") -> str:
 @contextlib.asynccontextmanager
 async def opened(kind: str, server=None, count: int = 1, ttl_s: float = 60):
     made = [RedisDirectory(server.url, ttl_s=ttl_s, max_per_client=CAP) if kind == "redis"
-            else InMemoryDirectory(max_per_client=CAP) for _ in range(count)]
+            else InMemoryDirectory(max_per_client=CAP, ttl_s=ttl_s) for _ in range(count)]
     try:
         yield made
     finally:
@@ -144,6 +144,39 @@ def test_in_memory_a_session_forgotten_for_max_records_frees_its_slot():
         assert await close(d, "a3") and d.sessions_of("alice") == 0
 
     asyncio.run(check())
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_an_idle_session_expires_and_frees_its_slot_as_the_refusal_says(kind, tmp_path):
+    srv = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    ttl_s = 1.5
+
+    async def check() -> None:
+        async with opened(kind, srv, ttl_s=ttl_s) as (d,):
+            await create(d, "a1")
+            await create(d, "a2")
+            why = await refused(d, "a3")
+            assert "close one it no longer needs (CloseSession), or wait for one to expire (1.5 s without a " \
+                   "turn: --redis-ttl), then retry" in why
+            await asyncio.sleep(0.8)
+            await create(d, "a2")  # continued: its clock starts again
+            await asyncio.sleep(0.8)  # a1 idle past the TTL
+            assert await d.get("a1") is None and await d.get("a2") is not None
+            await create(d, "a3")  # the slot a1 held
+            await refused(d, "a4")
+
+    try:
+        asyncio.run(check())
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+def test_a_coordinator_without_redis_forgets_idle_sessions_after_redis_ttl():
+    from specdec.coordinator.engine import make_directory
+
+    d = make_directory(CoordinatorConfig(tokenizer="none", client_max_sessions=CAP, redis_ttl_s=123.0))
+    assert isinstance(d, InMemoryDirectory) and d.ttl_s == 123.0 and d.max_per_client == CAP
 
 
 def test_in_redis_directories_sharing_it_count_together_and_expiry_frees_a_slot(server):
