@@ -6,6 +6,7 @@ process of its own (:class:`ServiceProcess`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import pathlib
 import subprocess
 import threading
@@ -20,6 +21,14 @@ from specdec.serving.config import CONFIG_CLASSES
 from specdec.serving.model_host import RunningService, start_model_service
 
 from tiny_models import TEST_DEVICE
+
+
+def on_a_loop(test):
+    """An async test as a plain one (pytest-asyncio is not a dependency): run on a new event loop."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+    return run
 
 
 class LoopThread:

@@ -10,6 +10,7 @@ rounds see both acceptances and rejections.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 
 import grpc
@@ -143,35 +144,44 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(add_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
 
 
-@pytest.fixture
-def fakes():
-    """(draft, target, make_engine): fake services on loopback; make_engine builds
-    a Coordinator engine talking to them."""
-    draft, target = FakeDraft(), FakeTarget()
-    servers, engines = [], []
-    addresses = []
-    loop = LoopThread()
-    for servicer, add in ((draft, pb_grpc.add_DraftServiceServicer_to_server),
-                          (target, pb_grpc.add_TargetServiceServicer_to_server)):
+@contextlib.contextmanager
+def fake_services(draft=None, target=None):
+    """A fake draft and target on loopback (new ones unless given): their addresses."""
+    servers, addresses = [], []
+    for servicer, add in ((draft or FakeDraft(), pb_grpc.add_DraftServiceServicer_to_server),
+                          (target or FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)):
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
         add(servicer, server)
         addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         server.start()
         servers.append(server)
+    try:
+        yield addresses
+    finally:
+        for server in servers:
+            server.stop(None)
 
-    def make_engine(tokenizer=None, **config):
-        cfg = CoordinatorConfig(**{"draft": addresses[0], "target": addresses[1], "info_timeout_s": 5,
-                                   "call_timeout_s": 5, **config})
-        engine = SyncEngine(loop, lambda: Coordinator(cfg, tokenizer=tokenizer))
-        engines.append(engine)
-        return engine
 
-    yield draft, target, make_engine
-    for e in engines:
-        e.close()
-    loop.close()
-    for s in servers:
-        s.stop(None)
+@pytest.fixture
+def fakes():
+    """(draft, target, make_engine): fake services on loopback; make_engine builds
+    a Coordinator engine talking to them."""
+    draft, target = FakeDraft(), FakeTarget()
+    engines = []
+    loop = LoopThread()
+    with fake_services(draft, target) as addresses:
+
+        def make_engine(tokenizer=None, **config):
+            cfg = CoordinatorConfig(**{"draft": addresses[0], "target": addresses[1], "info_timeout_s": 5,
+                                       "call_timeout_s": 5, **config})
+            engine = SyncEngine(loop, lambda: Coordinator(cfg, tokenizer=tokenizer))
+            engines.append(engine)
+            return engine
+
+        yield draft, target, make_engine
+        for e in engines:
+            e.close()
+        loop.close()
 
 
 def run(engine, **job) -> tuple[list[int], str, Stats]:

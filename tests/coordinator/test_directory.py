@@ -4,7 +4,6 @@ on an event loop (each test is a coroutine run by ``asyncio.run``)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import pytest
 
@@ -13,13 +12,7 @@ from specdec.coordinator.directory import InMemoryDirectory, Lease, SessionRecor
 from specdec.coordinator.leases import SessionLeases
 from specdec.serving import errors
 
-
-def on_a_loop(test):
-    """An async test as a plain one (pytest-asyncio is not a dependency): run on a new event loop."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return run
+from service_harness import on_a_loop
 
 
 def with_turn(session_id: str, *deltas) -> SessionRecord:

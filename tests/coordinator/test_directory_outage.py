@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import signal
 import time
 
@@ -21,13 +20,7 @@ from specdec.coordinator.outage import Backoff, may_reseed
 from specdec.coordinator.redis_directory import RedisDirectory, session_keys
 from specdec.serving import errors
 
-
-def on_a_loop(test):
-    """An async test as a plain one (pytest-asyncio is not a dependency): run on a new event loop."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return run
+from service_harness import on_a_loop
 
 
 @pytest.fixture

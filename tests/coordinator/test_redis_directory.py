@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 
 import pytest
@@ -21,13 +20,7 @@ from specdec.coordinator.redis_directory import RedisDirectory, session_keys
 from specdec.serving import errors
 from specdec.serving.config import redacted_url as redacted
 
-
-def on_a_loop(test):
-    """An async test as a plain one (pytest-asyncio is not a dependency): run on a new event loop."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return run
+from service_harness import on_a_loop
 
 
 @pytest.fixture

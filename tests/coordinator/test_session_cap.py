@@ -9,20 +9,17 @@ memory as in Redis), frees a slot; another client is not affected."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import time
 
-import grpc
 import pytest
 import redis
 from redis_server import RedisServer
-from test_coordinator import FakeDraft, FakeTarget
+from test_coordinator import fake_services
 from test_session_owners import ALICE, BOB
 
 from specdec.coordinator.directory import InMemoryDirectory, SessionRecord, TurnRecord
 from specdec.coordinator.redis_directory import RedisDirectory, client_key, session_keys
-from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.client import Client
 from specdec.serving.config import CoordinatorConfig
@@ -223,17 +220,8 @@ def test_in_redis_a_session_evicted_for_memory_frees_its_slot_at_the_cap(server)
 @pytest.fixture
 def services():
     """The fake draft and target on loopback: their addresses."""
-    servers, addresses = [], []
-    for servicer, add in ((FakeDraft(), pb_grpc.add_DraftServiceServicer_to_server),
-                          (FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)):
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-        add(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        server.start()
-        servers.append(server)
-    yield addresses
-    for server in servers:
-        server.stop(None)
+    with fake_services() as addresses:
+        yield addresses
 
 
 def start(loop: LoopThread, services, redis_url: str = "", tokens: bool = True, ttl_s: float = 86400.0):

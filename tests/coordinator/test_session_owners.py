@@ -8,17 +8,14 @@ the session busy."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 
-import grpc
 import pytest
 from redis_server import RedisServer
-from test_coordinator import FakeDraft, FakeTarget
+from test_coordinator import fake_services
 
 from specdec.coordinator.directory import InMemoryDirectory, SessionRecord
 from specdec.coordinator.redis_directory import RedisDirectory
-from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import errors
 from specdec.serving.client import Client
 from specdec.serving.config import CoordinatorConfig
@@ -32,17 +29,8 @@ TURNS = 40
 @pytest.fixture
 def services():
     """The fake draft and target on loopback: their addresses."""
-    servers, addresses = [], []
-    for servicer, add in ((FakeDraft(), pb_grpc.add_DraftServiceServicer_to_server),
-                          (FakeTarget(), pb_grpc.add_TargetServiceServicer_to_server)):
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-        add(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        server.start()
-        servers.append(server)
-    yield addresses
-    for server in servers:
-        server.stop(None)
+    with fake_services() as addresses:
+        yield addresses
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import pathlib
 
 import pytest
@@ -20,6 +19,7 @@ from specdec.coordinator.redis_directory import RedisDirectory, session_keys
 from specdec.serving import errors
 
 import kube
+from service_harness import on_a_loop
 
 
 def test_redis_appends_every_write_to_a_file_on_a_volume_of_its_own(objects):
@@ -53,14 +53,6 @@ def test_redis_evicts_idle_sessions_within_its_memory_limit(objects):
 
 # ---------------------------------------------------------------- a local redis-server as the manifest runs it
 
-
-def on_a_loop(test):
-    """An async test as a plain one, on an event loop of its own (as the directory's tests)."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-
-    return run
 
 
 @pytest.fixture(scope="module")
