@@ -6,11 +6,16 @@ call goes through :mod:`specdec.serving.interceptor`: one ASGI middleware.
   ``generate`` and round spans are its children; ``/health`` is not traced.
 * **Metrics**: every request counted, and timed to its last byte, by route and
   status code (``specdec_http_requests``, ``specdec_http_server_duration_seconds``).
+  Labels and span names are bounded whatever the client sends: a path not one
+  of the API's routes is ``unmatched``, a method OpenTelemetry's HTTP
+  conventions do not know is ``_OTHER``.
 * **Size**: a body larger than ``--max-message-bytes`` is refused 413: by its
   Content-Length before it is read, or as it arrives past the bound.
 * **Authentication**: with ``--auth-tokens``, every route but ``/health`` needs
   ``Authorization: Bearer TOKEN`` (401 without a known one), and the token's
   client is current while the request is answered (its sessions are its own).
+* **Errors**: what the application's catch-all handler answered (a 500, its
+  traceback logged there) is not raised on to the server, which would log it again.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware): the request's
 route runs in this same task, so what is made current here is current there.
@@ -28,11 +33,14 @@ from starlette.exceptions import HTTPException
 from specdec.coordinator.openai_errors import HttpError, http_error, too_large
 from specdec.serving import auth, errors
 from specdec.telemetry import tracing
+from specdec.telemetry.metrics import http_method
 from specdec.telemetry.server_spans import end_http_span, start_http_span
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 OPEN_ROUTES = ("/health",)  # no token needed: a load balancer's or kubelet's probe
 UNTRACED_ROUTES = ("/health",)
+# Set in the request's state by the application's catch-all handler: the error is answered and logged.
+CRASH_LOGGED = "specdec_crash_logged"
 
 
 class HttpGuard:
@@ -45,7 +53,8 @@ class HttpGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "unmatched"
+        route = scope["path"] if scope["path"] in ROUTES else "unmatched"  # bounded labels, whatever is asked
+        method = http_method(scope["method"])
         started, status = time.perf_counter(), [500]
 
         async def sending(message) -> None:
@@ -56,7 +65,7 @@ class HttpGuard:
         span, attached, client = trace.INVALID_SPAN, None, None
         try:
             if tracing.enabled() and route not in UNTRACED_ROUTES:
-                span, current = start_http_span(scope["method"], route, _headers(scope), scope.get("client"))
+                span, current = start_http_span(method, route, _headers(scope), scope.get("client"))
                 attached = otel_context.attach(current) if current is not None else None
             refusal = self._too_large(scope)
             if refusal is None:
@@ -66,7 +75,11 @@ class HttpGuard:
                     refusal = http_error(e)
             if refusal is not None:
                 return await send_error(sending, refusal)
-            await self.app(scope, self._bounded(receive), sending)
+            try:
+                await self.app(scope, self._bounded(receive), sending)
+            except Exception:
+                if not scope.get("state", {}).get(CRASH_LOGGED):
+                    raise
         finally:
             if client is not None:
                 auth.leave(client)
@@ -74,7 +87,7 @@ class HttpGuard:
                 otel_context.detach(attached)
             end_http_span(span, status[0])
             if self.metrics is not None:
-                self.metrics.observe_http(route, scope["method"], status[0], time.perf_counter() - started)
+                self.metrics.observe_http(route, method, status[0], time.perf_counter() - started)
 
     def _too_large(self, scope) -> HttpError | None:
         length = dict(scope["headers"]).get(b"content-length")
@@ -86,7 +99,14 @@ class HttpGuard:
         """The client made current (undo with auth.leave), or None: no tokens, or an open route."""
         if self.tokens is None or route in OPEN_ROUTES:
             return None
-        return self.tokens.enter(_headers(scope).items())
+        headers = _headers(scope)
+        given = headers.get(auth.METADATA_KEY)  # (in HTTP's words: the token's own checks say nothing of metadata)
+        if given is None:
+            raise errors.Unauthenticated("no credentials: send the header 'Authorization: Bearer <token>'")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise errors.Unauthenticated("the Authorization header must be 'Bearer <token>'")
+        return self.tokens.enter(headers.items())
 
     def _bounded(self, receive):
         """``receive``, refusing (413) a body that grows past the bound as it arrives."""

@@ -80,7 +80,12 @@ class HttpServer:
         while not self._server.started and not self._task.done():
             await asyncio.sleep(0.005)
         if self._task.done():
-            self._task.result()  # its start-up error
+            self._socket.close()  # (uvicorn failed before it took the socket over)
+            try:
+                self._task.result()  # its start-up error: a TLS file it could not load, ...
+            except OSError as e:
+                files = " with --tls-cert / --tls-key / --tls-ca" if self.tls is not None else ""
+                raise OSError(f"cannot serve the HTTP API on {self.host}:{self.port}{files}: {e}") from e
             raise OSError("the HTTP API server stopped as it started")
         scheme = "https" if self.tls else "http"
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, self.host, self.port)
@@ -109,7 +114,7 @@ class HttpServer:
 
     async def stop(self) -> None:
         """Stop at once: the requests in flight are cancelled."""
-        if self._server is None:
+        if self._server is None or (self._task is not None and self._task.done()):  # never served, or failed to
             if self._socket is not None:
                 self._socket.close()
             return

@@ -9,11 +9,16 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 is SERVING, 503 otherwise). Before a route: :mod:`specdec.coordinator.http_guard`
 (span, metrics, body size, bearer token). Errors: :mod:`specdec.coordinator.openai_errors`.
 
-A streamed response sends a chunk per round as the round commits (no
-buffering, here or, by its headers, in a proxy); errors found before the first
-round (a bad parameter, a limit, another client's session) are an HTTP status,
-later ones an error event before ``[DONE]``. A client that goes away, streamed
-or not, cancels its turn: the turn ends its session in both services.
+A request's own faults (a parameter, its token budget) are found first; then
+the turn is admitted (the coordinator's and the client's limits) and only then
+is the model pair checked and a chat rendered: a client past its limits costs
+only its refusal. A streamed response sends a chunk per round as the round
+commits (no buffering, here or, by its headers, in a proxy); errors found before
+the first round (a bad parameter, a limit, another client's session) are an HTTP
+status, later ones an error event before ``[DONE]``. An error no handler
+expects (a bug) is a 500 ``server_error`` in the same shape, its traceback
+logged once. A client that goes away, streamed or not, cancels its turn: the
+turn ends its session in both services.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from starlette.exceptions import HTTPException
 
 from specdec.coordinator.chat import ChatTemplate
 from specdec.coordinator.engine import LONG_PROMPT_CHARS, REPLICA_WAIT_S, Coordinator
-from specdec.coordinator.http_guard import HttpGuard
+from specdec.coordinator.http_guard import CRASH_LOGGED, HttpGuard
 from specdec.coordinator.openai_errors import (
     HttpError,
     ModelNotFound,
@@ -46,12 +51,13 @@ from specdec.coordinator.openai_protocol import (
     CompletionRequest,
     ParameterError,
     Reply,
+    chat_budget,
     chat_job,
     collected,
     completion_job,
-    refuse_unsupported,
 )
-from specdec.coordinator.streams import ClientStreams
+from specdec.coordinator.streams import ClientStreams, client_address
+from specdec.core.text import excerpt
 from specdec.serving import auth, errors
 from specdec.serving.config import CoordinatorConfig
 from specdec.serving.generation import Delta, GenerateJob, GenerationStats
@@ -80,24 +86,37 @@ class OpenAIApi:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         request.state.session_id = body.session_id or ""
         job = completion_job(body, self.config.max_new_tokens_cap)  # the request's own faults first
-        model = await self._model(body.model)
-        return await self._answer(request, job, Reply(chat=False, model=model), body)
+        reply = Reply(chat=False, model="")
+
+        async def admitted() -> GenerateJob:
+            reply.model = await self._model(body.model)
+            return job
+
+        return await self._answer(request, admitted, reply, body)
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         request.state.session_id = body.session_id or ""
-        refuse_unsupported(body)  # the request's own faults first
-        model = await self._model(body.model)  # (and the pair checked: the tokenizer is the target's)
-        try:
-            prompt = await self._render(body.messages)
-        except errors.InvalidRequest as e:
-            raise ParameterError(str(e), "messages") from None
-        job = chat_job(body, prompt, self.config.max_new_tokens_cap)
-        return await self._answer(request, job, Reply(chat=True, model=model), body)
+        budget = chat_budget(body, self.config.max_new_tokens_cap)  # the request's own faults first
+        reply = Reply(chat=True, model="")
+        size = len(await request.body())
 
-    async def _render(self, messages: list) -> str:
-        """The chat's prompt; a long one rendered on a worker thread, not on the
-        event loop every stream shares (as the engine tokenises a long prompt)."""
-        if len(json.dumps(messages)) > LONG_PROMPT_CHARS:
+        async def admitted() -> GenerateJob:  # the template rendered only for a turn admitted
+            reply.model = await self._model(body.model)  # (and the pair checked: the tokenizer is the target's)
+            try:
+                prompt = await self._render(body.messages, size)
+            except errors.InvalidRequest as e:  # (a message's own field named where it is at fault)
+                if getattr(e, "param", None) is None:
+                    raise ParameterError(str(e), "messages") from None
+                raise
+            return chat_job(body, prompt, budget)
+
+        return await self._answer(request, admitted, reply, body)
+
+    async def _render(self, messages: list, size: int) -> str:
+        """The chat's prompt; a long one (``size``: the request's bytes) rendered
+        on a worker thread, not on the event loop every stream shares (as the
+        engine tokenises a long prompt)."""
+        if size > LONG_PROMPT_CHARS:
             return await asyncio.to_thread(self.chat.render, self.engine.tokenizer, messages)
         return self.chat.render(self.engine.tokenizer, messages)
 
@@ -121,12 +140,14 @@ class OpenAIApi:
         pair = await self.engine.pair(wait_s=REPLICA_WAIT_S)
         served = self.config.served_model_name or pair.target_name
         if requested is not None and requested != served:
-            raise ModelNotFound(f"the model {_excerpt(requested)} is not served here: this server serves "
+            raise ModelNotFound(f"the model {excerpt(requested)} is not served here: this server serves "
                                 f"{served!r} (GET /v1/models)")
         return served
 
-    async def _answer(self, request: Request, job: GenerateJob, reply: Reply, body) -> Response:
-        caller = auth.current_client() or http_peer(request.client)  # what per-client limits count
+    async def _answer(self, request: Request, job: Callable[[], Awaitable[GenerateJob]], reply: Reply,
+                      body) -> Response:
+        """The turn, admitted before ``job()`` makes its job (see ClientStreams.generate)."""
+        caller = auth.current_client() or client_address(request.client)  # what per-client limits count
         size = len(await request.body())
         events = self.streams.generate(job, caller, size)
         if not body.stream:
@@ -162,8 +183,9 @@ async def sse(reply: Reply, first: Delta | GenerationStats, events: AsyncIterato
                 event = await anext(events)
         except Exception as e:  # (a cancellation is not answered: the client is gone)
             failure = http_error(e)
-            log.info("a streamed %s ended with %d: %s", "chat" if reply.chat else "completion", failure.status,
-                     failure.type)
+            bug = failure.type == "server_error"  # (its traceback logged, as the catch-all handler logs one)
+            log.log(logging.ERROR if bug else logging.INFO, "a streamed %s ended with %d: %s",
+                    "chat" if reply.chat else "completion", failure.status, failure.type, exc_info=e if bug else None)
             yield _event(failure.body())
     yield b"data: [DONE]\n\n"
 
@@ -227,19 +249,6 @@ async def _disconnect(receive) -> None:
             pass
 
 
-def http_peer(client) -> str:
-    """A caller without a token, named as gRPC names its peer less the port
-    ("ipv4:10.0.0.7"), so one address is one client on both ports."""
-    if client is None:
-        return ""
-    host = client[0]
-    return f"ipv6:%5B{host}%5D" if ":" in host else f"ipv4:{host}"
-
-
-def _excerpt(value: str, limit: int = 64) -> str:
-    return repr(value if len(value) <= limit else value[:limit] + "…")
-
-
 # ------------------------------------------------------------------ the application
 
 
@@ -279,9 +288,18 @@ def make_app(api: OpenAIApi, *, max_body_bytes: int, tokens: auth.Tokens | None 
     async def gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=CLIENT_GONE_STATUS)
 
+    async def crashed(request: Request, exc: Exception) -> Response:
+        """What no handler above expects (a bug): 500 in OpenAI's shape, its
+        traceback logged here, once (Starlette raises it on to the guard, which
+        lets it go: uvicorn would log it again). No request content is logged."""
+        setattr(request.state, CRASH_LOGGED, True)
+        log.error("%s %s -> 500: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc)
+        return error_response(http_error(exc))
+
     for kind in (errors.SpecdecError, ValueError, TimeoutError, MemoryError):
         app.add_exception_handler(kind, refused)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_status)
     app.add_exception_handler(ClientGone, gone)
+    app.add_exception_handler(Exception, crashed)
     return HttpGuard(app, max_body_bytes=max_body_bytes, tokens=tokens, metrics=metrics)

@@ -19,7 +19,7 @@ ResourceExhausted, MemoryError (the
 coordinator's streams, a target's KV budget)    503     service_unavailable_error (Retry-After)
 Unavailable, Draining                           503     service_unavailable_error (Retry-After)
 TimeoutError                                    504     timeout_error
-anything else                                   500     server_error
+anything else (a bug: its traceback logged)     500     server_error
 ==============================================  ======  ===========================
 
 A request body past ``--max-message-bytes`` is 413, an unknown route 404, a
@@ -87,7 +87,9 @@ def http_error(exc: BaseException) -> HttpError:
             code = getattr(exc, "openai_code", None) or {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(status)
             return HttpError(status, name, str(exc) or type(exc).__name__, getattr(exc, "param", None), code,
                              retry)
-    return HttpError(500, "server_error", f"internal error: {type(exc).__name__}: {exc}")
+    # (not the exception's own text: it may hold the server's internals; the log has it)
+    return HttpError(500, "server_error", f"internal server error ({type(exc).__name__}): the coordinator's log "
+                     "has the details")
 
 
 class ModelNotFound(errors.NotFound):
@@ -117,6 +119,9 @@ def validation_error(problems: list[dict]) -> HttpError:
     first = problems[0]
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(where)[:64] or None  # a client's own key, bounded
+    if param is None and first.get("type") != "json_invalid":  # no body, or not an object ([], "text", 5)
+        return HttpError(400, "invalid_request_error", "the request body must be a JSON object (send "
+                         "Content-Type: application/json)")
     if first.get("type") == "extra_forbidden":
         message = f"{param} is not a parameter this server (specdec) knows: leave it out"
     elif first.get("type") == "json_invalid":

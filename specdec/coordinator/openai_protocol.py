@@ -29,6 +29,7 @@ from specdec.serving.generation import Delta, GenerateJob, GenerationStats
 DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's: sampling, with a seed drawn for the request when it gives none
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_MESSAGES = 4096  # a chat request's messages, at most (each is checked, then rendered)
 
 
 class ParameterError(errors.InvalidRequest):
@@ -147,16 +148,30 @@ def completion_prompt(request: CompletionRequest) -> tuple[str, tuple[int, ...]]
 
 
 def completion_job(request: CompletionRequest, max_tokens_cap: int) -> GenerateJob:
+    """The request's own faults (ParameterError), then its job."""
+    refuse_unsupported(request)
     text, ids = completion_prompt(request)
     budget = _max_tokens(request.max_tokens, "max_tokens", DEFAULT_COMPLETION_TOKENS, max_tokens_cap)
     return _job(request, budget, prompt=text, prompt_ids=ids)
 
 
-def chat_job(request: ChatRequest, prompt: str, max_tokens_cap: int) -> GenerateJob:
-    """``prompt``: the messages as the chat template rendered them."""
+def chat_budget(request: ChatRequest, max_tokens_cap: int) -> int:
+    """The request's own faults (ParameterError), found before it is admitted:
+    what it asks for that specdec does not do, its token budget past the cap,
+    too many messages. Returns its token budget (for :func:`chat_job`)."""
+    refuse_unsupported(request)
+    if len(request.messages) > MAX_MESSAGES:
+        raise ParameterError(f"messages holds {len(request.messages)} messages: this server takes at most "
+                             f"{MAX_MESSAGES} a request", "messages")
     given, name = (request.max_completion_tokens, "max_completion_tokens") if request.max_completion_tokens \
         else (request.max_tokens, "max_tokens")
-    return _job(request, _max_tokens(given, name, max_tokens_cap, max_tokens_cap), prompt=prompt)
+    return _max_tokens(given, name, max_tokens_cap, max_tokens_cap)
+
+
+def chat_job(request: ChatRequest, prompt: str, max_tokens: int) -> GenerateJob:
+    """``prompt``: the messages as the chat template rendered them;
+    ``max_tokens``: what :func:`chat_budget` returned."""
+    return _job(request, max_tokens, prompt=prompt)
 
 
 def _max_tokens(given: int | None, name: str, default: int, cap: int) -> int:
@@ -169,7 +184,6 @@ def _max_tokens(given: int | None, name: str, default: int, cap: int) -> int:
 
 
 def _job(request: _Request, max_tokens: int, prompt: str = "", prompt_ids: tuple[int, ...] = ()) -> GenerateJob:
-    refuse_unsupported(request)
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return GenerateJob(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling(request),
                        gamma_policy=request.gamma_policy or "", stop=stop, session_id=request.session_id or "")

@@ -141,7 +141,15 @@ async def start_coordinator(config: CoordinatorConfig, telemetry: ServiceTelemet
             raise
     await server.start()
     if http is not None:
-        await http.start()
+        try:
+            await http.start()  # uvicorn loads the TLS files here: a bad one fails start-up, and stops gRPC
+        except BaseException:
+            await http.stop()
+            await server.stop()
+            await engine.close()
+            if telemetry is not None:
+                telemetry.close()
+            raise
     await server.set_serving(await directory_reachable(engine.directory))
     log.info("coordinator serving specdec.v1.Coordinator on %s:%d (draft %s, target %s, tokenizer %s, "
              "sessions %s, %s)", config.host, port, config.draft, config.target,

@@ -20,7 +20,7 @@ import logging
 
 from specdec.coordinator.admission import ClientLimits, StreamLimits
 from specdec.coordinator.engine import Coordinator
-from specdec.coordinator.streams import ClientStreams
+from specdec.coordinator.streams import ClientStreams, client_address
 from specdec.proto import specdec_pb2_grpc as pb_grpc
 from specdec.serving import auth
 from specdec.serving import convert as conv
@@ -42,7 +42,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Generate(self, request, context):
         job = conv.job_from_proto(request)
-        caller = auth.current_client() or (_peer_host(context.peer()) if context is not None else "")
+        caller = auth.current_client() or (client_address(context.peer()) if context is not None else "")
         async with contextlib.aclosing(self.streams.generate(job, caller, request.ByteSize())) as events:
             async for event in events:
                 yield conv.event_to_proto(event)
@@ -50,7 +50,3 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def CloseSession(self, request, context):
         return conv.close_session_response(await self.engine.close_session(request.session_id))
 
-
-def _peer_host(peer: str) -> str:
-    """A caller without a name: its address, less the port ("ipv4:10.0.0.7:53412" -> "ipv4:10.0.0.7")."""
-    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer

@@ -17,13 +17,19 @@ its drain.
   tracks those cleanups for the shutdown).
 * **Drain**: after :meth:`shutting_down`, a turn still generating when the
   grace is nearly out ends with :class:`errors.Draining`.
+
+Without authentication a client is its address, spelled by
+:func:`client_address` for both protocols, so one address is one client on
+both ports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Callable
+import ipaddress
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from specdec.coordinator.admission import ClientLimits, StreamLimits
 from specdec.serving import auth, errors
@@ -69,16 +75,21 @@ class ClientStreams:
 
         return release
 
-    async def generate(self, job: GenerateJob, caller: str, request_bytes: int
-                       ) -> AsyncIterator[Delta | GenerationStats]:
+    async def generate(self, job: GenerateJob | Callable[[], Awaitable[GenerateJob]], caller: str,
+                       request_bytes: int) -> AsyncIterator[Delta | GenerationStats]:
         """The turn's events, admitted first (see :meth:`admit`); ``caller``: the
-        client's name, or its address without authentication. The authenticated
-        client (:func:`auth.current_client`) and the trace context current when
-        this generator starts are the turn's. Close it (``aclosing``) when done."""
+        client's name, or its address without authentication. ``job``, or what
+        makes it once the turn is admitted (the HTTP API renders a chat there:
+        a refused client costs only its refusal); what that raises is the
+        first event's error. The authenticated client (:func:`auth.current_client`)
+        and the trace context current when this generator starts are the turn's.
+        Close it (``aclosing``) when done."""
         release = self.admit(request_bytes, caller)
         done = asyncio.get_running_loop().create_future()
         self.turns.add(done)
         try:
+            if not isinstance(job, GenerateJob):
+                job = await job()
             async for event in self._run(job, caller):
                 if isinstance(event, GenerationStats):  # the turn is complete: its client may send the next at once
                     release()
@@ -120,6 +131,37 @@ class ClientStreams:
             self.closing.add(closing)
             closing.add_done_callback(self.closing.discard)
             await asyncio.shield(closing)
+
+
+def client_address(peer: str | tuple | None) -> str:
+    """A caller without a name, as per-client limits count it: its address,
+    less the port, spelled one way for both protocols. ``peer``: gRPC's
+    (``ipv4:10.0.0.7:53412``, ``ipv6:%5B::1%5D:53412``) or an ASGI client's
+    ``(host, port)``. An IPv4-mapped IPv6 address (what a server on ``::``
+    sees of an IPv4 client) is its IPv4 address: ``ipv4:10.0.0.7`` on both
+    ports; an IPv6 address in its compressed form, ``ipv6:%5B2001:db8::1%5D``.
+    Anything else (``unix:...``) as given; "" for no peer."""
+    if not peer:
+        return ""
+    if isinstance(peer, tuple):
+        host = str(peer[0])
+    else:
+        kind, _, address = peer.partition(":")
+        if kind not in ("ipv4", "ipv6"):
+            return peer
+        address = urllib.parse.unquote(address)
+        if address.startswith("["):  # [host]:port
+            host = address[1:].partition("]")[0]
+        else:  # host:port
+            host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"ipv6:%5B{host}%5D" if ":" in host else f"ipv4:{host}"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"ipv4:{ip}" if ip.version == 4 else f"ipv6:%5B{ip}%5D"
 
 
 async def _next(events):

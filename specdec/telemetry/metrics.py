@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROUND_PHASES = ("draft", "target", "queue", "copy", "network", "coordinator")
 
+# HTTP methods as OpenTelemetry's HTTP conventions know them (RFC 9110's and
+# PATCH); any other is "_OTHER": a client's method never makes a new series.
+HTTP_METHODS = frozenset({"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"})
+
+
+def http_method(method: str) -> str:
+    """``method`` if it is a known HTTP method, else ``_OTHER`` (a bounded label)."""
+    return method if method in HTTP_METHODS else "_OTHER"
+
 
 class RpcMetrics:
     """Per-RPC metrics every gRPC service exports: latency and errors by code."""
@@ -149,8 +158,10 @@ class CoordinatorMetrics(RpcMetrics):
                     counter.inc()
 
     def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
-        """An HTTP API request answered (``route``: one of the API's, or "unmatched")."""
-        self.http_requests.labels(route, method, str(status)).inc()
+        """An HTTP API request answered (``route``: one of the API's, or
+        "unmatched"; ``method``: as the client sent it, counted as
+        :func:`http_method` has it)."""
+        self.http_requests.labels(route, http_method(method), str(status)).inc()
         self.http_duration.labels(route, str(status)).observe(seconds)
 
     def observe_call(self, side: str, network_s: float, bytes_out: int, bytes_in: int) -> None:

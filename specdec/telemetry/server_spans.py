@@ -20,6 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from specdec.telemetry import tracing
+from specdec.telemetry.metrics import http_method
 
 # Probes call these every few seconds: a root trace each would bury the
 # requests' traces at the collector.
@@ -50,16 +51,18 @@ def start_http_span(method: str, route: str, headers: Mapping[str, str], client:
     """An HTTP request's SERVER span (named ``METHOD ROUTE``, with OpenTelemetry's
     HTTP attributes: never the path's query, nor anything of the body), and the
     context to make current while it is answered; as :func:`start_server_span`
-    for a caller that is not sampled."""
+    for a caller that is not sampled. A method OpenTelemetry's conventions do
+    not know is ``_OTHER`` (the span ``HTTP ROUTE``), never the client's own."""
     parent = propagate.extract(headers) if headers else None
     caller = trace.get_current_span(parent).get_span_context()
     if caller.is_valid and not caller.trace_flags.sampled:
         return trace.INVALID_SPAN, parent
+    method = http_method(method)
     attributes = {"http.request.method": method, "http.route": route}
     if client:
         attributes.update({"client.address": str(client[0]), "client.port": int(client[1])})
-    span = tracing.tracer().start_span(f"{method} {route}", context=parent, kind=trace.SpanKind.SERVER,
-                                       attributes=attributes)
+    name = f"{'HTTP' if method == '_OTHER' else method} {route}"
+    span = tracing.tracer().start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
     return span, trace.set_span_in_context(span, parent)
 
 

@@ -4,14 +4,19 @@ event loop, beside gRPC) in front of real draft and target services with tiny
 models, a byte tokenizer and a chat template.
 
 The same request answers the same over HTTP, streamed or not, and over gRPC;
-every error has its status and OpenAI's shape; the limits, tokens and session
-owners are the gRPC port's own; a client that goes away frees its session in
-the services; TLS works with the SDK given the CA."""
+every error has its status and OpenAI's shape (a bug's too); the limits,
+tokens and session owners are the gRPC port's own, and a refused client costs
+no render; a client that goes away frees its session in the services; TLS works
+with the SDK given the CA, and a TLS file the HTTP port cannot load stops the
+whole start-up; metric labels stay bounded whatever a client sends."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import pathlib
+import socket
 import ssl
 import threading
 import time
@@ -52,7 +57,14 @@ def models(tmp_path_factory):
     plain.mkdir()
     add_byte_tokenizer(plain)
     (root / "other.jinja").write_text(OTHER_TEMPLATE)
-    return {"target": target, "draft": draft, "plain": plain, "other": root / "other.jinja", "root": root}
+    named = root / "tokenizer-with-named-templates"  # transformers reads these as a dict: {"default": ..., ...}
+    named.mkdir()
+    add_byte_tokenizer(named)
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": "TOOLS"}]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    return {"target": target, "draft": draft, "plain": plain, "other": root / "other.jinja", "named": named,
+            "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +120,24 @@ def raw(coordinator, path: str, body: bytes | None = None, *, method: str | None
             return response.status, dict(response.headers), json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+def api_of(coordinator):
+    """The coordinator's OpenAIApi (the object its routes are methods of)."""
+    fastapi_app = coordinator.http.app.app  # (under the guard)
+    return next(route.endpoint.__self__ for route in fastapi_app.routes
+                if getattr(route, "path", None) == "/v1/chat/completions")
+
+
+class CountingTemplate:
+    """A ChatTemplate's stand-in that counts its renders (and renders as the one it replaces)."""
+
+    def __init__(self, chat):
+        self.chat, self.renders = chat, 0
+
+    def render(self, tokenizer, messages):
+        self.renders += 1
+        return self.chat.render(tokenizer, messages)
 
 
 def error_of(exc: openai.APIStatusError) -> dict:
@@ -251,10 +281,23 @@ def test_an_unsupported_parameter_is_refused_naming_it(stack, endpoint, param, v
     ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
     ({"prompt": "x", "stop": ["a"] * 65}, None, "too many stop strings"),
     ({"prompt": "x", "gamma_policy": "static:99"}, None, "gamma"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
-     "only text parts"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role 'tool' is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "only text parts"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "role 'tool' is not supported"),
     ({}, "prompt", "prompt is required"),
+    # Malformed messages: each field's type checked where the messages are read (never a 500).
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": 5}]}, "messages[1].content",
+     "must be a string or a list of text parts, not int"),
+    ({"messages": [{"role": "user", "content": True}]}, "messages[0].content", "not bool"),
+    ({"messages": [{"role": "user", "content": 1.5}]}, "messages[0].content", "not float"),
+    ({"messages": [{"role": "user", "content": {"type": "text", "text": "x"}}]}, "messages[0].content", "not dict"),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]", "only text parts"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role", "must be a string, not list"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role", "must be a string, not dict"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "messages[0].role is required"),
+    ({"messages": [{"role": "u" * 500, "content": "x"}]}, "messages[0].role", "(500 characters)"),  # an excerpt
+    ({"messages": [{"role": "user", "content": "x"}] * 4097}, "messages", "at most 4096"),
+    ({"messages": []}, "messages", "messages is empty"),
 ])
 def test_bad_input_is_400_naming_the_parameter(stack, request_body, param, says):
     path = "/v1/chat/completions" if "messages" in request_body else "/v1/completions"
@@ -268,13 +311,75 @@ def test_a_body_that_is_not_json_is_400(stack):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("request_body", [b"", b"[]", b'"a prompt"', b"5", b"null"])
+def test_a_body_that_is_not_a_json_object_is_400_saying_so(stack, request_body):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, _, body = raw(stack["main"], path, request_body, method="POST")
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["message"].startswith("the request body must be a JSON object"), body
+        assert "None" not in body["error"]["message"]
+
+
+def test_a_long_model_name_comes_back_as_an_excerpt(stack):
+    with pytest.raises(openai.NotFoundError) as exc:
+        sdk(stack["main"]).completions.create(model="m" * 5000, prompt="x", max_tokens=2)
+    message = error_of(exc.value)["message"]
+    assert "(5000 characters)" in message and len(message) < 300
+
+
+def test_unsupported_parameters_are_checked_once_a_request(stack, monkeypatch):
+    from specdec.coordinator import openai_api, openai_protocol
+
+    calls = []
+    checked = openai_protocol.refuse_unsupported
+
+    def counted(request):
+        calls.append(type(request).__name__)
+        return checked(request)
+
+    monkeypatch.setattr(openai_protocol, "refuse_unsupported", counted)
+    monkeypatch.setattr(openai_api, "refuse_unsupported", counted, raising=False)
+    client = sdk(stack["main"])
+    client.chat.completions.create(model="target", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    client.completions.create(model="target", prompt="x", max_tokens=2)
+    assert calls == ["ChatRequest", "CompletionRequest"]
+
+
+def test_an_unexpected_error_is_a_500_in_openais_shape_logged_once(stack, monkeypatch, caplog):
+    """A bug (here: a renderer that raises TypeError) answers 500 server_error
+    in OpenAI's shape, streamed or not; its traceback is logged once, at ERROR,
+    with nothing of the request in it."""
+
+    class Broken:
+        def render(self, tokenizer, messages):
+            raise TypeError("a bug in the renderer")
+
+    monkeypatch.setattr(api_of(stack["main"]), "chat", Broken())
+    caplog.set_level(logging.INFO)
+    messages = [{"role": "user", "content": "a secret question"}]
+    for stream in (False, True):
+        caplog.clear()
+        with pytest.raises(openai.InternalServerError) as exc:
+            sdk(stack["main"]).chat.completions.create(model="target", messages=messages, max_tokens=2, stream=stream)
+        error = error_of(exc.value)
+        assert exc.value.status_code == 500 and error["type"] == "server_error" and "TypeError" in error["message"]
+        time.sleep(0.2)  # (what the server logs after the response)
+        errors_logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors_logged) == 1 and errors_logged[0].exc_info is not None, [r.getMessage() for r in
+                                                                                   errors_logged]
+        assert "a secret question" not in caplog.text
+
+
 def test_tokens_are_checked_and_sessions_belong_to_their_client(stack):
     main = stack["main"]
     with pytest.raises(openai.AuthenticationError) as exc:
         sdk(main, key="not-a-token-of-this-coordinator").completions.create(model="target", prompt="x", max_tokens=2)
     assert exc.value.status_code == 401 and error_of(exc.value)["type"] == "authentication_error"
     status, _, body = raw(main, "/v1/models", token=None)
-    assert status == 401 and "Bearer" in body["error"]["message"]
+    assert status == 401 and "'Authorization: Bearer <token>'" in body["error"]["message"]
+    assert "metadata" not in body["error"]["message"]  # (HTTP has headers: gRPC's words are not HTTP's)
+    status, _, body = raw(main, "/v1/models", token=None, headers={"Authorization": "Basic dXNlcjpwYXNz"})
+    assert status == 401 and body["error"]["message"] == "the Authorization header must be 'Bearer <token>'"
 
     sdk(main).completions.create(model="target", prompt="x", max_tokens=2, extra_body={"session_id": "alices"})
     with pytest.raises(openai.PermissionDeniedError) as exc:
@@ -313,18 +418,45 @@ def test_a_body_past_max_message_bytes_is_413_before_or_while_it_is_read(stack):
 def test_limits_are_shared_with_grpc_429_for_a_client_503_for_the_coordinator(stack):
     limited = stack["coordinator"](auth_tokens=f"alice:{ALICE},bob:{BOB}", client_rate=0.01, client_burst=1,
                                    max_stream_memory_mb=1)
+    api = api_of(limited)
+    api.chat = template = CountingTemplate(api.chat)
     with pytest.raises(openai.InternalServerError) as exc:  # 600 kB held twice: past the coordinator's 1 MiB
         sdk(limited).completions.create(model="target", prompt=[7] * 300_000, max_tokens=2)
     assert exc.value.status_code == 503 and exc.value.response.headers["retry-after"] == "1"
     assert error_of(exc.value)["type"] == "service_unavailable_error" and "--max-stream-memory" in \
         error_of(exc.value)["message"]
+    with pytest.raises(openai.InternalServerError) as exc:  # a chat as large: refused before it is rendered
+        sdk(limited).chat.completions.create(model="target", messages=[{"role": "user", "content": "y" * 600_000}])
+    assert exc.value.status_code == 503 and "--max-stream-memory" in error_of(exc.value)["message"]
+    assert template.renders == 0
     with grpc_client(limited) as alice:
         alice.complete("x", max_new_tokens=2)  # alice's one request of the burst, over gRPC
     with pytest.raises(openai.RateLimitError) as exc:
         sdk(limited).completions.create(model="target", prompt="x", max_tokens=2)
     assert exc.value.status_code == 429 and int(exc.value.response.headers["retry-after"]) >= 1
     assert error_of(exc.value)["code"] == "rate_limit_exceeded" and "--client-rate" in error_of(exc.value)["message"]
-    sdk(limited, key=BOB).completions.create(model="target", prompt="x", max_tokens=2)  # bob has his own
+    with pytest.raises(openai.RateLimitError):  # past her rate: no render, and no model pair checked, for her chat
+        sdk(limited).chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}])
+    assert template.renders == 0
+    bobs = sdk(limited, key=BOB).chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=2)  # bob has his own: rendered once admitted
+    assert template.renders == 1 and bobs.model == "target"
+
+
+def test_one_address_is_one_client_on_both_ports():
+    """Without a token a client is its address, spelled by one function for
+    both ports: gRPC's peer and an HTTP client (an IPv4 client of a server on
+    ``::`` is an IPv4-mapped address to HTTP, ``ipv4:`` to gRPC)."""
+    from specdec.coordinator.streams import client_address
+
+    assert client_address("ipv4:10.0.0.7:53412") == client_address(("10.0.0.7", 443)) == "ipv4:10.0.0.7"
+    assert client_address(("::ffff:10.0.0.7", 443)) == client_address("ipv6:%5B::ffff:10.0.0.7%5D:53412") == \
+        "ipv4:10.0.0.7"
+    assert client_address("ipv6:%5B::1%5D:53412") == client_address(("::1", 8000)) == "ipv6:%5B::1%5D"
+    assert client_address("ipv6:%5B2001:DB8:0::1%5D:1") == client_address(("2001:db8::1", 2)) == \
+        "ipv6:%5B2001:db8::1%5D"
+    assert client_address("unix:/run/specdec.sock") == "unix:/run/specdec.sock"
+    assert client_address(None) == client_address("") == ""
 
 
 @pytest.mark.parametrize(("exc", "status"), [
@@ -426,6 +558,39 @@ def test_a_tokenizer_without_a_chat_template_says_how_to_give_one(stack, models)
     assert "--chat-template" in error_of(exc.value)["message"] and error_of(exc.value)["param"] == "messages"
 
 
+def test_named_chat_templates_render_with_the_default_and_other_failures_are_the_servers(stack, models):
+    """A tokenizer with named templates (transformers: a dict) renders with its
+    ``default``; only a template's own refusal is the request's 400."""
+    from specdec.coordinator.chat import ChatTemplate
+
+    named = stack["coordinator"](tokenizer=str(models["named"]))
+    client = sdk(named)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="target", messages=messages, max_tokens=8, **GREEDY)
+    plain = client.completions.create(model="target", prompt="<user>hi\n<assistant>", max_tokens=8, **GREEDY)
+    assert chat.choices[0].message.content == plain.choices[0].text
+
+    class Tokenizer:  # a renderer failing for its own reasons
+        chat_template = TEMPLATE
+
+        def __init__(self, failure):
+            self.failure = failure
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise self.failure
+
+    with pytest.raises(RuntimeError):  # not the request's fault: no 400 blaming it
+        ChatTemplate().render(Tokenizer(RuntimeError("the renderer broke")), messages)
+    with pytest.raises(errors.InvalidRequest, match="could not render these messages: roles must alternate"):
+        import jinja2
+
+        ChatTemplate().render(Tokenizer(jinja2.TemplateError("roles must alternate")), messages)
+    nameless = Tokenizer(None)
+    nameless.chat_template = {"tool_use": TEMPLATE}
+    with pytest.raises(errors.InvalidRequest, match="no chat template named 'default'.*--chat-template"):
+        ChatTemplate().render(nameless, messages)
+
+
 def test_a_busy_http_port_fails_start_up_with_one_line(stack, models):
     from specdec.coordinator.server import start_coordinator
 
@@ -464,3 +629,68 @@ def test_requests_are_counted_by_route_and_status_and_traced_with_the_turn_under
     assert PROMPT not in shown and "traced-session" not in shown
     with grpc_client(main) as alice:
         alice.close_session("traced-session")
+
+
+def test_a_tls_file_the_http_port_cannot_load_stops_the_grpc_server_too(stack, models, tmp_path, monkeypatch):
+    """uvicorn loads the TLS files as the HTTP server starts, after the gRPC
+    server started: a CA bundle with a corrupt entry (which gRPC skips, and
+    Python's ssl refuses) fails start-up, with the gRPC server stopped, both
+    ports free and the engine closed."""
+    from specdec.coordinator.engine import Coordinator
+    from specdec.coordinator.server import start_coordinator
+
+    ca = CA(tmp_path / "pki")
+    cert, key = ca.issue("coordinator", dns=["localhost"], ips=["127.0.0.1"])
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(pathlib.Path(ca.path).read_bytes() + b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n"
+                       b"-----END CERTIFICATE-----\n")
+    closed = []
+    close = Coordinator.close
+
+    async def closing(engine):
+        closed.append(engine)
+        await close(engine)
+
+    monkeypatch.setattr(Coordinator, "close", closing)
+    grpc_port, http_port = free_port(), free_port()
+    config = CoordinatorConfig(draft=f"127.0.0.1:{stack['services']['draft'].port}",
+                               target=f"127.0.0.1:{stack['services']['target'].port}", host="127.0.0.1",
+                               port=grpc_port, http_port=http_port, tls_cert=cert, tls_key=key, tls_ca=str(bundle))
+    with pytest.raises(OSError, match=rf"cannot serve the HTTP API on 127.0.0.1:{http_port} with --tls-cert"):
+        stack["loop"].call(start_coordinator(config))
+    assert len(closed) == 1
+    for port in (grpc_port, http_port):  # nothing listens on either
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_metric_labels_and_span_names_stay_bounded_whatever_the_client_sends(stack, provider):
+    """A method of the client's own (h11 takes any token), even refused 401,
+    is ``_OTHER``; a path not one of the API's routes is ``unmatched``."""
+    main = stack["main"]
+    for method in ("BREW", "X-JUNK-1", "X-JUNK-2"):
+        status, _, _ = raw(main, "/v1/models", method=method, token=None)
+        assert status == 401
+    status, _, _ = raw(main, "/v1/no-such-route-12345", method="GET")
+    assert status == 404
+    registry = stack["metrics"].registry
+
+    def counted(labels: dict, at_least: int) -> bool:  # (counted as the response ends: just after the client has it)
+        deadline = time.monotonic() + 10
+        while (registry.get_sample_value("specdec_http_requests_total", labels) or 0) < at_least:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    assert counted({"route": "/v1/models", "method": "_OTHER", "status": "401"}, 3)
+    assert counted({"route": "unmatched", "method": "GET", "status": "404"}, 1)
+    labels = [sample.labels for family in registry.collect() if family.name.startswith("specdec_http")
+              for sample in family.samples]
+    assert {label.get("method") for label in labels} <= {None, "GET", "POST", "HEAD", "OPTIONS", "_OTHER"}
+    assert {label.get("route") for label in labels} <= {None, "/v1/completions", "/v1/chat/completions",
+                                                        "/v1/models", "/health", "unmatched"}
+    spans = [s for s in provider.memory.get_finished_spans() if s.kind.name == "SERVER"]
+    assert {s.name for s in spans} == {"HTTP /v1/models", "GET unmatched"}
+    assert {s.attributes["http.request.method"] for s in spans} == {"_OTHER", "GET"}
+
