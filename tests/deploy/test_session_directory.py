@@ -72,12 +72,15 @@ def manifest_redis(objects, tmp_path: pathlib.Path, **changed: str):
         server.stop()
 
 
-def directory(objects, server: RedisServer, outage_s: float | None = None) -> RedisDirectory:
+def directory(objects, server: RedisServer, refusals_fail_at_once: bool = False) -> RedisDirectory:
     """The directory a coordinator of ``objects`` keeps in ``server``, with its
-    settings (``outage_s``: how long past the lease its writes ride out a refusing Redis)."""
+    settings; ``refusals_fail_at_once``: a write Redis refuses fails within a
+    second instead of riding it out for the lease and --directory-outage."""
     config = kube.by_role(objects)["coordinator"].config()
+    if refusals_fail_at_once:
+        return RedisDirectory(server.url, ttl_s=config.redis_ttl_s, lease_s=1.0, outage_s=0.0)
     return RedisDirectory(server.url, ttl_s=config.redis_ttl_s, lease_s=config.lease_s,
-                          outage_s=config.directory_outage_s if outage_s is None else outage_s)
+                          outage_s=config.directory_outage_s)
 
 
 def record(session_id: str, tokens: int = 8) -> SessionRecord:
@@ -141,7 +144,7 @@ async def test_at_maxmemory_idle_sessions_go_and_new_ones_are_written(cpu, tmp_p
     would refuse every write with OOM, an UNAVAILABLE for each new turn."""
     changed = {"maxmemory": "8mb"} | ({"maxmemory_policy": policy} if policy != "manifest" else {})
     with manifest_redis(cpu, tmp_path, **changed) as server:
-        d = directory(cpu, server, outage_s=0 if policy == "noeviction" else None)  # refused: fail at the lease time
+        d = directory(cpu, server, refusals_fail_at_once=policy == "noeviction")
         try:
             for i in range(350):  # about 6 MB of histories, then left idle
                 await write(d, f"idle-{i}", tokens=3000)

@@ -142,8 +142,13 @@ SETTINGS = {
 }
 
 
+# Every setting through the lean layers (as every path runs the target by default);
+# through the model's own modules the hardest one (temperature and nucleus).
+CASES = [("lean-target", setting) for setting in SETTINGS] + [("own-modules-target", "t0.7-p0.9")]
+
+
 @pytest.mark.parametrize("draft_top_k", [0, 4], ids=["dense-q", "sparse-q"])
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("memo_pair, setting", CASES, indirect=["memo_pair"])
 def test_first_two_tokens_follow_target_distribution(memo_pair, setting, draft_top_k):
     target, draft = memo_pair
     params = SETTINGS[setting]
