@@ -1,15 +1,18 @@
 """The floor under the coordinator's CPU per round: what a bare grpc.aio round
-costs the process in the middle, with no work in it.
+costs the process in the middle, with no work in it, side by side for two
+ways of making the round's calls.
 
-A round through the coordinator is two unary calls to other processes
-(ProposeAll to the draft, Verify to the target) and one message streamed out
-to the client. Here a "back" process answers unary calls (gRPC health Check:
-no work) and a "front" process serves a server stream whose every message
-costs two unary calls to the back: ``--streams`` clients at once, ``--rounds``
-messages each. Prints the front process's CPU per round, to set against
+A round through the coordinator is two calls to other processes (ProposeAll
+to the draft, Verify to the target) and one message streamed out to the
+client. Here a "back" process echoes bytes and a "front" process serves a
+server stream whose every message costs two calls to the back, made either as
+two unary calls (as the coordinator makes them) or as one message each way on
+two bidirectional streams the stream keeps open. ``--streams`` clients at
+once, ``--rounds`` messages each, ``--bytes`` per message. Prints the front
+process's CPU per round for each, to set against
 ``scripts/many_streams.py --streams 16 --tokens 128 --policy static:4``.
 
-    python scripts/grpc_round_floor.py [--streams 16] [--rounds 128]
+    python scripts/grpc_round_floor.py [--streams 16] [--rounds 128] [--bytes 64]
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import os
 import pathlib
 import time
 
+SERVICE = "floor.Back"
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc."""
@@ -29,13 +34,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 def back(port: int) -> None:
-    """A server answering health Checks: the services' unary calls, without their work."""
+    """Echoes: a unary method and a bidirectional one, bytes in and out."""
     import grpc
-    from grpc_health.v1 import health, health_pb2_grpc
+
+    async def call(request: bytes, context) -> bytes:
+        return request
+
+    async def stream(requests, context):
+        async for request in requests:
+            yield request
 
     async def serve() -> None:
         server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+            "Call": grpc.unary_unary_rpc_method_handler(call),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream)})])
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -44,24 +57,30 @@ def back(port: int) -> None:
 
 
 def front(port: int, back_port: int) -> None:
-    """A server streaming health responses, each after two unary calls to the back."""
+    """Streams one message per round to its client; the round's two calls to
+    the back are unary calls or messages on two streams, as the client asks."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    class Front(health_pb2_grpc.HealthServicer):
-        def __init__(self, stub):
-            self.stub = stub
-
-        async def Watch(self, request, context):
-            while True:  # one round: two calls out, one message back
-                await self.stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-                await self.stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-                yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+    async def rounds(request: bytes, context):
+        mode, payload = request[:1], request[1:]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{back_port}") as channel:
+            if mode == b"u":
+                call = channel.unary_unary(f"/{SERVICE}/Call")
+                while True:
+                    await call(payload, timeout=10)
+                    await call(payload, timeout=10)
+                    yield payload
+            streams = [channel.stream_stream(f"/{SERVICE}/Stream")() for _ in range(2)]
+            while True:
+                for s in streams:
+                    await s.write(payload)
+                    await s.read()
+                yield payload
 
     async def serve() -> None:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{back_port}")
         server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(Front(health_pb2_grpc.HealthStub(channel)), server)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("floor.Front", {
+            "Rounds": grpc.unary_stream_rpc_method_handler(rounds)})])
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -69,27 +88,27 @@ def front(port: int, back_port: int) -> None:
     asyncio.run(serve())
 
 
-async def clients(port: int, streams: int, rounds: int) -> None:
+async def clients(port: int, mode: bytes, streams: int, rounds: int, size: int) -> None:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async def one(stub) -> None:
+    async def one(method) -> None:
         got = 0
-        async for _ in stub.Watch(health_pb2.HealthCheckRequest(), timeout=600):
+        async for _ in method(mode + b"x" * size, timeout=600):
             got += 1
             if got == rounds:
                 return
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        await one(stub)  # warm up: connections made, code paths run once
-        await asyncio.gather(*(one(stub) for _ in range(streams)))
+        method = channel.unary_stream("/floor.Front/Rounds")
+        await asyncio.gather(*(one(method) for _ in range(streams)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=128)
+    parser.add_argument("--bytes", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from specdec.serving.server import free_port
 
@@ -99,19 +118,22 @@ def main() -> None:
     for p in procs:
         p.start()
     time.sleep(2.0)  # both listening
+    per_round = {"two unary calls": [], "two open streams": []}
     try:
-        asyncio.run(clients(front_port, 1, 32))  # the processes warmed up
-        before = cpu_seconds(procs[1].pid)
-        started = time.perf_counter()
-        asyncio.run(clients(front_port, args.streams, args.rounds))
-        wall = time.perf_counter() - started
-        cpu = cpu_seconds(procs[1].pid) - before
+        for mode in (b"u", b"s"):  # warm up both paths
+            asyncio.run(clients(front_port, mode, 2, 16, args.bytes))
+        for _ in range(args.repeats):  # interleaved: the machine's load drifts over both alike
+            for name, mode in (("two unary calls", b"u"), ("two open streams", b"s")):
+                before = cpu_seconds(procs[1].pid)
+                asyncio.run(clients(front_port, mode, args.streams, args.rounds, args.bytes))
+                per_round[name].append((cpu_seconds(procs[1].pid) - before) / (args.streams * args.rounds))
     finally:
         for p in procs:
             p.terminate()
-    rounds = args.streams * args.rounds + args.rounds  # the warm-up stream of each run too
-    print(f"{args.streams} streams x {args.rounds} rounds of two unary calls and one streamed message: "
-          f"front process CPU {cpu:.2f} s in {wall:.1f} s, {1000 * cpu / rounds:.3f} ms per round")
+    print(f"{args.streams} streams x {args.rounds} rounds, {args.bytes}-byte messages; the front process's CPU "
+          f"per round (median of {args.repeats}):")
+    for name, samples in per_round.items():
+        print(f"  {name:<18} {1000 * sorted(samples)[len(samples) // 2]:.3f} ms")
 
 
 if __name__ == "__main__":
