@@ -72,7 +72,11 @@ def process_logits_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     # Subtracting the max first keeps a tiny temperature from overflowing to inf.
     # A temperature below float32's smallest normal number would round to 0 and
     # make 0/0: it is as greedy as that number.
-    temperature = _column([max(p.temperature, _F32_TINY) for p in params], x, torch.float32)  # [N, 1]
+    # One set of parameters for every row (one request's positions, the common
+    # case) as scalars: the same arithmetic as an [N, 1] column, without making one.
+    same = all(p == params[0] for p in params)
+    temperature = max(params[0].temperature, _F32_TINY) if same else \
+        _column([max(p.temperature, _F32_TINY) for p in params], x, torch.float32)  # [N, 1]
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature
     x = _top_k_mask(x, [p.top_k for p in params])
     probs = torch.softmax(x, dim=-1)  # [N, V]
@@ -92,6 +96,8 @@ def _top_k_mask(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     cut = [0 < k < vocab for k in top_k]
     if not any(cut):
         return x
+    if all(cut) and all(k == top_k[0] for k in top_k):  # one k for every row: no columns to make
+        return x.masked_fill(x < torch.topk(x, top_k[0], dim=-1).values[..., -1:], float("-inf"))
     k = [k if c else 1 for k, c in zip(top_k, cut, strict=True)]
     largest = torch.topk(x, max(k), dim=-1).values  # [N, max k], descending
     kth = largest.gather(-1, _column(k, x, torch.int64) - 1)  # [N, 1]: row i's k_i-th largest
@@ -107,13 +113,14 @@ def _top_p_rows(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     if not asked:
         return probs
     if len(asked) == len(top_p):
-        return _top_p_filter(probs, _column(top_p, probs, torch.float32))
+        same = all(p == top_p[0] for p in top_p)
+        return _top_p_filter(probs, top_p[0] if same else _column(top_p, probs, torch.float32))
     rows = torch.tensor(asked, device=probs.device)
     nucleus = _top_p_filter(probs[rows], _column([top_p[i] for i in asked], probs, torch.float32))
     return probs.index_put((rows,), nucleus)
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
     """Keep the nucleus of each row of ``probs`` [N, V], renormalised: the most
     likely tokens, taken in order of probability until their mass reaches the
     row's ``top_p`` [N, 1]. The most likely token is always kept.
