@@ -244,6 +244,7 @@ class PagedKV:
             fork.length = length
         return fork
 
+    @torch.inference_mode()  # a pool a pass grew holds inference tensors: written only in inference mode
     def _copy_block(self, group: int, src: int, dst: int) -> None:
         """Block ``src``'s keys and values into block ``dst``, in every layer of ``group``."""
         a, b = src * self.block_size, dst * self.block_size

@@ -193,3 +193,17 @@ def test_a_forked_sequence_goes_on_as_the_same_tokens_run_fresh(runner):
     got = runner.logits(branch, 2)
     assert torch.allclose(got, fresh_logits(runner, [3, 1, 4, 1, 5, 8, 8], 2), atol=1e-5)
     assert torch.allclose(runner.logits(seq), fresh_logits(runner, [3, 1, 4, 1, 5, 9, 2], 1), atol=1e-5)
+
+
+def test_blocks_are_copied_outside_inference_mode_after_a_pass_grew_the_pool():
+    """A forward pass (inference mode) that grows the pool makes its tensors
+    inference tensors; a fork or a rollback into a shared block, made by the
+    steps outside inference mode, must still copy blocks there."""
+    kv = store(max_tokens=4096, block_size=2)
+    a = kv.new_cache()
+    with torch.inference_mode():  # as a pass reserving its positions
+        grow(kv, a, 2 * kv.pools[0].capacity + 1)  # past the pool's first capacity: its tensors remade
+        assert kv.keys[0].is_inference()
+    fork = kv.fork(a, 5)  # the partly filled block copied
+    assert kv.crop(a, 3) == 3  # into the shared block: copied first
+    assert torch.equal(kv.keys[0][kv._slots(a.tables[0][:2])][:3], kv.keys[0][kv._slots(fork.tables[0][:2])][:3])
