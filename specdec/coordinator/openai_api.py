@@ -252,8 +252,9 @@ async def _disconnect(receive) -> None:
 # ------------------------------------------------------------------ the application
 
 
-def error_response(error: HttpError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+def error_response(error: HttpError) -> Response:
+    """``error`` in OpenAI's shape, encoded once (:meth:`HttpError.encoded`, as the guard's refusals)."""
+    return Response(error.encoded(), status_code=error.status, headers=error.headers(), media_type="application/json")
 
 
 def _no_own_telemetry() -> dict:

@@ -58,7 +58,8 @@ class HttpError:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def encoded(self) -> bytes:
-        return json.dumps(self.body()).encode()
+        """The JSON body, as every response of the API writes its JSON (compact, UTF-8)."""
+        return json.dumps(self.body(), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 _BY_TYPE: tuple[tuple[type[BaseException], int, str], ...] = (
